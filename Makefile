@@ -1,0 +1,34 @@
+# Every target bootstraps .venv on a fresh clone: `make demo` and `make test` are
+# the only two set-up commands a user needs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tfdist-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast bench lint clean
+
+$(STAMP): setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -e '.[test,legacy,bench]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tfdist demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Everything but the slow and cluster tests.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow and not cluster" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tfdist tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,39 @@
+"""tfdist: distribution strategies for Keras 3 and TensorFlow."""
+
+import os
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+    LONG_DESCRIPTION = f.read()
+
+setup(
+    name="tfdist",
+    version="0.1.0",
+    description="Distribution strategies for Keras 3 and TensorFlow: mirrored, multi-worker, "
+    "central storage, parameter server, sharded optimizer (ZeRO).",
+    long_description=LONG_DESCRIPTION,
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.9",
+    packages=find_packages(include=["tfdist", "tfdist.*"]),
+    package_data={"tfdist": ["datasets/*.csv.gz", "datasets/README.md"]},
+    install_requires=[
+        "tensorflow>=2.16",
+        "keras>=3.5",
+        "numpy",
+        "absl-py",
+        'tomli>=1.1; python_version < "3.11"',
+    ],
+    extras_require={
+        "legacy": ["tf-keras>=2.16"],
+        "test": ["pytest>=7", "tf-keras>=2.16", "ruff"],
+        "bench": ["psutil"],
+    },
+    entry_points={"console_scripts": ["tfdist=tfdist.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,82 @@
+"""The `tfdist` command: `tfdist demo`, and more subcommands as they land."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional
+
+# Subcommands register here: name -> (add_arguments(parser), run(args) -> exit code).
+SUBCOMMANDS: dict[str, tuple[Callable, Callable, str]] = {}
+
+
+def subcommand(name: str, help: str):
+    def wrap(fns):
+        add_arguments, run = fns
+        SUBCOMMANDS[name] = (add_arguments, run, help)
+        return fns
+
+    return wrap
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", type=int, default=2, help="logical CPU devices to split the host into (default 2)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs per strategy (default 3)")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch size (default 64)")
+    p.add_argument("--strategy", action="append", help="run only this strategy (repeatable)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars, only the table")
+
+
+def _demo_run(args: argparse.Namespace) -> int:
+    for flag, value in (("--devices", args.devices), ("--epochs", args.epochs), ("--batch-size", args.batch_size)):
+        if value < 1:
+            print(f"tfdist demo: {flag} must be a positive integer. Received: {flag} {value}", file=sys.stderr)
+            return 2
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tfdist
+    from tfdist import demo
+
+    tfdist.configure_local_devices(args.devices)
+    unknown = [s for s in (args.strategy or []) if s not in tfdist.strategy_names()]
+    if unknown:
+        print(
+            f"tfdist demo: unknown strategy {unknown[0]!r}. Valid names: {tfdist.strategy_names()}",
+            file=sys.stderr,
+        )
+        return 2
+    rows = demo.run_demo(
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        verbose=0 if args.quiet else 1,
+        only=args.strategy,
+    )
+    print()
+    print(demo.format_table(rows))
+    return 0
+
+
+SUBCOMMANDS["demo"] = (
+    _demo_arguments,
+    _demo_run,
+    "train one model on the bundled digits under every strategy and print a table",
+)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="tfdist", description="Distribution strategies for Keras 3 and TensorFlow.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (add_arguments, _, help_text) in sorted(SUBCOMMANDS.items()):
+        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if rest and args.command != "launch":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
+    return SUBCOMMANDS[args.command][1](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Every tfdist option: its one name, type, default, validation and doc.
+
+Options reach tfdist three ways — keyword arguments to `tfdist.get_strategy`,
+keys of a TOML preset, and flags of the `tfdist` command — and all three are
+validated here, by the same code, so an option has one spelling and one error
+message everywhere.
+
+Two kinds of option exist:
+
+* step options (`TrainingOptions`), shared by every strategy: how the training
+  step runs (gradient fusion, ...);
+* strategy parameters, particular to one strategy (`devices=` for mirrored,
+  `parameter_device=` for central storage, ...). Each strategy declares its own
+  with the same `Option` record, so they validate the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping, Optional
+
+
+class OptionError(ValueError):
+    """An option has the wrong type or value; the message names both and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """The declaration of one option.
+
+    Args:
+        name: str. The option's name in code, TOML and on the command line.
+        default: The value used when the option is not given.
+        types: tuple of types. Accepted Python types (`None` is accepted when
+            the default is `None`).
+        expected: str. What a valid value looks like, for error messages.
+        doc: str. One sentence for the README and `--help`.
+        check: Optional callable returning `True` for a valid value (beyond its
+            type).
+        env: Optional environment variable that overrides the default.
+    """
+
+    name: str
+    default: Any
+    types: tuple
+    expected: str
+    doc: str
+    check: Optional[Callable[[Any], bool]] = None
+    env: Optional[str] = None
+
+    def resolve_default(self) -> Any:
+        if self.env and os.environ.get(self.env, "") != "":
+            raw = os.environ[self.env]
+            try:
+                value = type(self.default)(raw) if self.default is not None else raw
+            except ValueError:
+                raise OptionError(
+                    f"Environment variable {self.env} must be {self.expected}. "
+                    f"Received: {self.env}={raw!r}"
+                ) from None
+            return self.validate(value, source=f"environment variable {self.env}")
+        return self.default
+
+    def validate(self, value: Any, source: str = "") -> Any:
+        """Returns `value` if valid, else raises `OptionError` naming it."""
+        where = f"{source}: " if source else ""
+        if value is None and self.default is None:
+            return None
+        # bool is an int subclass; an int option must not accept True/False.
+        bad_bool = isinstance(value, bool) and bool not in self.types
+        if bad_bool or not isinstance(value, self.types):
+            raise OptionError(
+                f"{where}option '{self.name}' must be {self.expected}. "
+                f"Received: {self.name}={value!r} (type {type(value).__name__})"
+            )
+        if self.check is not None and not self.check(value):
+            raise OptionError(
+                f"{where}option '{self.name}' must be {self.expected}. "
+                f"Received: {self.name}={value!r}"
+            )
+        return value
+
+
+def _nonneg_int(v: Any) -> bool:
+    return v >= 0
+
+
+def _device_list(v: Any) -> bool:
+    return len(v) > 0 and all(isinstance(d, str) and d for d in v)
+
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+# The step options, shared by every strategy. Add new ones here only.
+STEP_OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in [
+        Option(
+            name="bucket_bytes",
+            default=DEFAULT_BUCKET_BYTES,
+            types=(int,),
+            expected="an integer >= 0 (bytes per fused gradient buffer; 0 turns fusion off)",
+            doc=(
+                "Gradients are packed into fused buffers of at most this many bytes "
+                "before they cross devices; 0 sends one collective per variable. "
+                "Default 25 MiB; environment override TFDIST_BUCKET_BYTES."
+            ),
+            check=_nonneg_int,
+            env="TFDIST_BUCKET_BYTES",
+        ),
+    ]
+}
+
+# Strategy parameters that more than one strategy takes.
+DEVICES = Option(
+    name="devices",
+    default=None,
+    types=(list, tuple),
+    expected="a non-empty list of device strings such as ['/cpu:0', '/cpu:1']",
+    doc="Devices to replicate over; default: every local GPU, else every logical CPU.",
+    check=_device_list,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingOptions:
+    """The step options a tfdist strategy carries into `model.fit`.
+
+    Args:
+        bucket_bytes: int. Upper size of a fused gradient buffer in bytes;
+            0 turns fusion off. Default 25 MiB (`TFDIST_BUCKET_BYTES`
+            overrides the default).
+
+    Example:
+
+    ```python
+    opts = tfdist.options.TrainingOptions.from_mapping({"bucket_bytes": 0})
+    ```
+    """
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], source: str = "") -> TrainingOptions:
+        kwargs = {}
+        for name, opt in STEP_OPTIONS.items():
+            if name in values:
+                kwargs[name] = opt.validate(values[name], source=source)
+            else:
+                kwargs[name] = opt.resolve_default()
+        return cls(**kwargs)
+
+
+def split_options(
+    strategy_name: str,
+    params: Mapping[str, Option],
+    values: Mapping[str, Any],
+    source: str = "",
+) -> tuple[dict[str, Any], TrainingOptions]:
+    """Splits `values` into validated strategy parameters and step options.
+
+    Raises `TypeError` for a name that is neither, listing the valid ones (as
+    Python does for an unexpected keyword argument), and `OptionError` for a
+    known name with a bad value.
+    """
+    valid = sorted(set(params) | set(STEP_OPTIONS))
+    unknown = [k for k in values if k not in params and k not in STEP_OPTIONS]
+    if unknown:
+        where = f"{source}: " if source else ""
+        raise TypeError(
+            f"{where}unknown option {unknown[0]!r} for strategy {strategy_name!r}. "
+            f"Valid options: {', '.join(valid)}"
+        )
+    strategy_kwargs = {
+        k: params[k].validate(v, source=source) for k, v in values.items() if k in params
+    }
+    step = TrainingOptions.from_mapping(
+        {k: v for k, v in values.items() if k in STEP_OPTIONS}, source=source
+    )
+    return strategy_kwargs, step

@@ -1,0 +1,12 @@
+"""tfdist's strategies, one module each; `tfdist.get_strategy` finds them by name."""
+
+from tfdist.strategies.base import TfdistStrategy, is_tfdist_strategy
+from tfdist.strategies.central_storage import CentralStorageStrategy
+from tfdist.strategies.mirrored import MirroredStrategy
+
+__all__ = [
+    "CentralStorageStrategy",
+    "MirroredStrategy",
+    "TfdistStrategy",
+    "is_tfdist_strategy",
+]

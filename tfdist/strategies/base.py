@@ -1,0 +1,59 @@
+"""What every tfdist strategy has on top of its `tf.distribute.Strategy`.
+
+A tfdist strategy *is* a `tf.distribute.Strategy` (so TensorFlow, Keras and
+tf-keras accept it anywhere a strategy goes); the mixin adds the name it was
+registered under, its validated step options, and which gradient path the step
+engine uses for it. Nothing else belongs here: shared step logic lives in
+`tfdist.engine`, shared communication in `tfdist.collectives`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from tfdist.options import Option, TrainingOptions, split_options
+
+
+class TfdistStrategy:
+    """Mixin marking a `tf.distribute.Strategy` as tfdist's.
+
+    Attributes:
+        name: the registry name (`"mirrored"`, ...).
+        PARAMS: the strategy's own parameters, validated like step options.
+        gradient_path: how gradients cross devices in the step engine:
+            `"all_reduce"` (every replica ends with the summed gradient) or
+            `"reduce_to_variables"` (gradients are summed onto the device that
+            holds each variable, which is updated once).
+    """
+
+    name: ClassVar[str] = ""
+    PARAMS: ClassVar[dict[str, Option]] = {}
+    gradient_path: ClassVar[str] = "all_reduce"
+
+    @classmethod
+    def demo_kwargs(cls):
+        """Arguments for `tfdist demo` on the embedded default, or `None` to leave it out."""
+        return {}
+
+    def _tfdist_init(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Validates constructor arguments; returns the strategy's own parameters."""
+        params, step = split_options(self.name, self.PARAMS, values)
+        self._tfdist_options = step
+        self._tfdist_params = params
+        return params
+
+    @property
+    def options(self) -> TrainingOptions:
+        """The validated step options (`tfdist.options.TrainingOptions`)."""
+        return self._tfdist_options
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self._tfdist_params.items() if v is not None)
+        return (
+            f"<tfdist {type(self).__name__} name={self.name!r} "
+            f"replicas={self.num_replicas_in_sync}{', ' + params if params else ''}>"
+        )
+
+
+def is_tfdist_strategy(strategy: Any) -> bool:
+    return isinstance(strategy, TfdistStrategy)
