@@ -123,33 +123,59 @@ DEVICES = Option(
 )
 
 
-@dataclasses.dataclass(frozen=True)
 class TrainingOptions:
-    """The step options a tfdist strategy carries into `model.fit`.
+    """The validated step options a tfdist strategy carries into `model.fit`.
 
-    Args:
-        bucket_bytes: int. Upper size of a fused gradient buffer in bytes;
-            0 turns fusion off. Default 25 MiB (`TFDIST_BUCKET_BYTES`
-            overrides the default).
+    One attribute per entry of `STEP_OPTIONS` (e.g. `bucket_bytes`), each
+    validated; unknown names raise `TypeError`. Immutable.
 
     Example:
 
     ```python
     opts = tfdist.options.TrainingOptions.from_mapping({"bucket_bytes": 0})
+    opts.bucket_bytes  # 0
     ```
     """
 
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    __slots__ = ("_values",)
+
+    def __init__(self, **values: Any):
+        unknown = sorted(set(values) - set(STEP_OPTIONS))
+        if unknown:
+            raise TypeError(f"Unknown step option {unknown[0]!r}. Valid: {', '.join(sorted(STEP_OPTIONS))}")
+        resolved = {
+            name: opt.validate(values[name]) if name in values else opt.resolve_default()
+            for name, opt in STEP_OPTIONS.items()
+        }
+        object.__setattr__(self, "_values", resolved)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return object.__getattribute__(self, "_values")[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("TrainingOptions is immutable; build a new one with from_mapping().")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TrainingOptions) and self._values == other._values
+
+    def __repr__(self) -> str:
+        return "TrainingOptions(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], source: str = "") -> TrainingOptions:
-        kwargs = {}
-        for name, opt in STEP_OPTIONS.items():
-            if name in values:
-                kwargs[name] = opt.validate(values[name], source=source)
-            else:
-                kwargs[name] = opt.resolve_default()
-        return cls(**kwargs)
+    def from_mapping(cls, values: Mapping[str, Any], source: str = "") -> "TrainingOptions":
+        """Validates `values` (naming `source` in errors) and returns the options."""
+        checked = {
+            name: STEP_OPTIONS[name].validate(value, source=source)
+            for name, value in values.items()
+            if name in STEP_OPTIONS
+        }
+        return cls(**checked)
 
 
 def split_options(
