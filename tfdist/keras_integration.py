@@ -25,6 +25,7 @@ Upstream issues worked around here:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from typing import Any, Sequence
@@ -119,6 +120,21 @@ def clip_gradients(optimizer, grads: Sequence):
     is the norm of the whole gradient, as on a single device.
     """
     return optimizer._clip_gradients(list(grads))
+
+
+def inner_optimizer(optimizer):
+    """The optimizer whose update rule runs: a `LossScaleOptimizer`'s inner one, else itself."""
+    return optimizer.inner_optimizer if is_loss_scale_optimizer(optimizer) else optimizer
+
+
+def keras_accumulation_steps(optimizer):
+    """Keras's `Optimizer(gradient_accumulation_steps=k)` of the update optimizer, or `None`."""
+    return getattr(inner_optimizer(optimizer), "gradient_accumulation_steps", None) or None
+
+
+def iterations_variable(optimizer):
+    """The optimizer's raw iteration counter (Keras's `iterations` divides it under accumulation)."""
+    return optimizer._iterations
 
 
 def _tf_variable(v):
@@ -239,6 +255,11 @@ def _patched_compile(original):
             from tfdist.engine import validate_compiled_model
 
             validate_compiled_model(self)
+            # A strategy that shapes the optimizer (the sharded optimizer) does so here.
+            on_compile = getattr(self.distribute_strategy, "on_compile", None)
+            if on_compile is not None:
+                on_compile(self)
+            apply_sink_size(self)
         return result
 
     return compile
@@ -271,6 +292,7 @@ def _patched_symbolic_build(original):
         # One replica's share has the shapes the build needs.
         if iterator is None or not _is_tfdist_model(self):
             return original(self, iterator=iterator, data_batch=data_batch)
+        sink_whole_epochs(self, iterator)
         strategy = self.distribute_strategy
         for _, _, it in iterator:
             batch = next(it)
@@ -285,6 +307,20 @@ def _patched_symbolic_build(original):
             self._symbolic_build(data_batch=data_batch)
 
     return _maybe_symbolic_build
+
+
+def _patched_dtype_policy(original):
+    @functools.wraps(original)
+    def dtype_policy():
+        # Layers built inside the scope of a tfdist strategy with
+        # precision="mixed_..." get that policy, as if it were set globally;
+        # outside the scope (or with precision="float32") Keras's global policy.
+        from tfdist.precision import current_policy
+
+        policy = current_policy()
+        return policy if policy is not None else original()
+
+    return dtype_policy
 
 
 def install() -> None:
@@ -303,12 +339,21 @@ def install() -> None:
     trainer = _trainer_class()
     from keras.src.trainers.trainer import Trainer
 
-    _originals["compile"] = trainer.__dict__.get("compile", Trainer.compile)
+    # Wrap Trainer.compile itself: Keras's compile_from_config skips compiling
+    # on load when `type(model).compile != Trainer.compile`.
+    _originals["compile"] = Trainer.compile
     _originals["make_train_function"] = trainer.make_train_function
     _originals["make_test_function"] = trainer.make_test_function
     _originals["_maybe_symbolic_build"] = trainer._maybe_symbolic_build
     trainer._maybe_symbolic_build = _patched_symbolic_build(_originals["_maybe_symbolic_build"])
-    trainer.compile = _patched_compile(_originals["compile"])
+    # The default dtype policy, read by every layer at construction
+    # (keras.src.dtype_policies.get(None) and DTypePolicy(None) call the module's
+    # `dtype_policy()`); the precision option routes through it.
+    from keras.src.dtype_policies import dtype_policy as dtype_policy_module
+
+    _originals["dtype_policy"] = dtype_policy_module.dtype_policy
+    dtype_policy_module.dtype_policy = _patched_dtype_policy(_originals["dtype_policy"])
+    Trainer.compile = _patched_compile(_originals["compile"])
     trainer.make_train_function = _patched_make(_originals["make_train_function"], "train")
     trainer.make_test_function = _patched_make(_originals["make_test_function"], "test")
     _installed = True
@@ -322,13 +367,13 @@ def uninstall() -> None:
     trainer = _trainer_class()
     from keras.src.trainers.trainer import Trainer
 
-    if _originals["compile"] is Trainer.compile:
-        del trainer.compile
-    else:
-        trainer.compile = _originals["compile"]
+    Trainer.compile = _originals["compile"]
     trainer.make_train_function = _originals["make_train_function"]
     trainer.make_test_function = _originals["make_test_function"]
     trainer._maybe_symbolic_build = _originals["_maybe_symbolic_build"]
+    from keras.src.dtype_policies import dtype_policy as dtype_policy_module
+
+    dtype_policy_module.dtype_policy = _originals["dtype_policy"]
     _installed = False
 
 
@@ -337,18 +382,31 @@ def uninstall() -> None:
 # ---------------------------------------------------------------------------
 
 
-def keep_on_read_variables_per_replica(strategy, compute_devices) -> None:
-    """Makes `strategy` create ON_READ variables as one copy per compute device.
+def configure_variable_creation(strategy, on_read_devices=None) -> None:
+    """Adjusts how `strategy` creates variables for Keras 3 layers and metrics.
 
-    Upstream (keras-team/keras#21054): Keras 3 implements `Variable.assign_add`
-    as `assign(self + value)`. CentralStorageStrategy wraps every variable,
-    metric state included, in an `AggregatingVariable` on the parameter device
-    that SUMs the values assigned by all replicas, so each metric update
-    becomes `N * old + sum(updates)` and metrics under CentralStorageStrategy
-    grow without bound (accuracy 0.137 where single-device gives 0.122 on the
-    bundled digits). MirroredStrategy keeps such state per replica
-    (`SyncOnReadVariable`), which is also what metrics want here: local
-    updates, summed when read. Verified on TensorFlow 2.16 to 2.21.
+    Two upstream gaps, both fixed at variable creation so no step code changes:
+
+    1. Layer state is not kept in sync (no upstream fix as of Keras 3.15): Keras
+       3 creates non-trainable layer state such as BatchNormalization's moving
+       mean and variance with `aggregation="none"`. Under MirroredStrategy each
+       replica then keeps its own moving averages of its own share of the
+       batch, so the copies drift apart and a checkpoint holds replica 0's;
+       under CentralStorageStrategy the update fails outright ("You must
+       specify an aggregation method to update a AggregatingVariable in
+       Replica Context"). tf-keras created such state with MEAN aggregation;
+       tfdist does the same for non-trainable floating-point variables created
+       with aggregation NONE, so every replica holds the mean update.
+    2. With `on_read_devices` (CentralStorageStrategy), keras-team/keras#21054:
+       Keras 3 implements `Variable.assign_add` as `assign(self + value)`, and
+       CentralStorageStrategy wraps metric state in an `AggregatingVariable`
+       that SUMs what every replica assigns, so each update becomes
+       `N * old + sum(updates)` and metrics grow without bound (accuracy 0.137
+       where one device gives 0.122 on the bundled digits). Such ON_READ state
+       is instead created per compute device (a `SyncOnReadVariable`, as
+       MirroredStrategy does): local updates, summed when read.
+
+    Verified on TensorFlow 2.16 to 2.21 with Keras 3.5 to 3.15.
     """
     from tensorflow.python.distribute import distribute_utils
 
@@ -356,28 +414,44 @@ def keep_on_read_variables_per_replica(strategy, compute_devices) -> None:
     original = extended._create_variable
 
     def create_variable(next_creator, **kwargs):
-        if kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ:
-            return original(next_creator, **kwargs)
-        kwargs.pop("colocate_with", None)
-
-        def per_device_creator(**kw):
-            values = []
-            for i, device in enumerate(compute_devices):
-                with tf.device(device):
-                    if i > 0:
-                        kw["name"] = "%s/replica_%d/" % (values[0].name.split(":")[0], i)
-                    values.append(next_creator(**kw))
-            return values
-
-        return distribute_utils.create_mirrored_variable(
-            strategy,
-            per_device_creator,
-            distribute_utils.VARIABLE_CLASS_MAPPING,
-            distribute_utils.VARIABLE_POLICY_MAPPING,
-            **kwargs,
-        )
+        synchronization = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
+        if on_read_devices and synchronization == tf.VariableSynchronization.ON_READ:
+            return _create_per_device(strategy, on_read_devices, next_creator, distribute_utils, **kwargs)
+        dtype = kwargs.get("dtype")
+        if dtype is None and not callable(kwargs.get("initial_value")):
+            dtype = getattr(kwargs.get("initial_value"), "dtype", None)
+        if (
+            not kwargs.get("trainable", True)
+            and synchronization != tf.VariableSynchronization.ON_READ
+            and kwargs.get("aggregation", tf.VariableAggregation.NONE) == tf.VariableAggregation.NONE
+            and dtype is not None
+            and tf.as_dtype(dtype).is_floating
+        ):
+            kwargs["aggregation"] = tf.VariableAggregation.MEAN
+        return original(next_creator, **kwargs)
 
     extended._create_variable = create_variable
+
+
+def _create_per_device(strategy, devices, next_creator, distribute_utils, **kwargs):
+    kwargs.pop("colocate_with", None)
+
+    def per_device_creator(**kw):
+        values = []
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                if i > 0:
+                    kw["name"] = "%s/replica_%d/" % (values[0].name.split(":")[0], i)
+                values.append(next_creator(**kw))
+        return values
+
+    return distribute_utils.create_mirrored_variable(
+        strategy,
+        per_device_creator,
+        distribute_utils.VARIABLE_CLASS_MAPPING,
+        distribute_utils.VARIABLE_POLICY_MAPPING,
+        **kwargs,
+    )
 
 
 _next_collective_key_base = [0]
@@ -397,3 +471,724 @@ def isolate_collective_keys(strategy) -> None:
     """
     _next_collective_key_base[0] += 100_000
     strategy._collective_key_base = _next_collective_key_base[0]
+
+
+# ---------------------------------------------------------------------------
+# Data sinking (tfdist.engine.loop): steps per host call.
+# ---------------------------------------------------------------------------
+
+
+def apply_sink_size(model) -> None:
+    """Sets a tfdist model's `steps_per_execution` from its strategy's `sink_size`.
+
+    `sink_size=k` is Keras's `steps_per_execution=k`: Keras's epoch iterator
+    then hands tfdist's host function chunks of k steps, callbacks' per-batch
+    hooks fire once per chunk and the progress bar counts k steps per chunk.
+    Called at the end of `compile`. Raises `ValueError` when `compile` was
+    given a different `steps_per_execution`.
+    """
+    sink_size = model.distribute_strategy.options.sink_size
+    if sink_size is None:
+        return
+    given = model.steps_per_execution
+    if given != 1 and given != sink_size:
+        raise ValueError(
+            f"The strategy's sink_size={sink_size!r} and compile(steps_per_execution={given}) "
+            "disagree; both set the training steps per host call. Pass only one of them "
+            "(or the same integer to both)."
+        )
+    if sink_size != "epoch":
+        model.steps_per_execution = sink_size
+
+
+class _StepsTaggedDataset:
+    """Iterates a distributed dataset, tagging each iterator with the steps per call."""
+
+    def __init__(self, dataset, steps: int):
+        self._dataset = dataset
+        self._steps = steps
+
+    def __iter__(self):
+        from tfdist.engine.loop import STEPS_PER_CALL_ATTR
+
+        iterator = iter(self._dataset)
+        setattr(iterator, STEPS_PER_CALL_ATTR, self._steps)
+        return iterator
+
+
+def sink_whole_epochs(model, epoch_iterator) -> None:
+    """Under `sink_size="epoch"`, makes one host call run a whole epoch of `epoch_iterator`.
+
+    Keras's epoch iterator yields chunks of its `steps_per_execution` steps;
+    setting it to the epoch's length makes it yield one chunk per epoch (so the
+    progress bar jumps from 0 to the epoch's length and per-batch callbacks
+    fire once per epoch), and each iterator it makes is tagged with that length
+    for the host function's loop bound (`tfdist.engine.loop`). Uses the private
+    `EpochIterator.steps_per_execution`, `num_batches` and `_get_iterator`
+    (verified on Keras 3.15). Called from `fit` and `evaluate` for each epoch
+    iterator, before the first batch is read.
+
+    Raises:
+        ValueError: the input's number of batches is unknown.
+    """
+    if model.distribute_strategy.options.sink_size != "epoch":
+        return
+    if getattr(epoch_iterator, "_tfdist_sinks_epochs", False):
+        return
+    steps = epoch_iterator.num_batches
+    if not steps:
+        raise ValueError(
+            "sink_size='epoch' runs a whole epoch per host call and needs the number of "
+            "steps in an epoch, but this input's length is unknown (tf.data pipelines "
+            "with filter, group_by_window or bucket_by_length hide it). Pass "
+            "steps_per_epoch= to fit (validation_steps= for validation data, steps= to "
+            "evaluate), or state the dataset's length with "
+            "dataset.apply(tf.data.experimental.assert_cardinality(n)), or use an "
+            "integer sink_size. Received: an input of unknown length."
+        )
+    epoch_iterator.steps_per_execution = steps
+    get_iterator = epoch_iterator._get_iterator
+    epoch_iterator._get_iterator = lambda: _StepsTaggedDataset(get_iterator(), steps)
+    epoch_iterator._tfdist_sinks_epochs = True
+
+
+# ---------------------------------------------------------------------------
+# Multi-worker: chief-only writes of Keras callbacks.
+# ---------------------------------------------------------------------------
+
+_fit_hook = {}
+
+
+def _redirected_callback(callback, strategy):
+    """A copy of `callback` that writes under `strategy.write_dir`, or `callback` itself."""
+    import copy
+    import os
+
+    if isinstance(callback, keras.callbacks.ModelCheckpoint):
+        clone = copy.copy(callback)
+        clone.filepath = strategy.write_dir(callback.filepath)
+        return clone
+    if isinstance(callback, keras.callbacks.TensorBoard):
+        clone = copy.copy(callback)
+        clone.log_dir = strategy.write_dir(callback.log_dir)
+        return clone
+    if isinstance(callback, keras.callbacks.BackupAndRestore):
+        clone = copy.copy(callback)
+        restore = clone.on_train_begin
+
+        def on_train_begin(logs=None):
+            # Restore from the chief's backup (every worker must resume at the
+            # same epoch with the same weights), then write elsewhere.
+            restore(logs)
+            clone.backup_dir = strategy.write_dir(callback.backup_dir)
+            clone._weights_path = os.path.join(clone.backup_dir, "latest.weights.h5")
+            clone._training_metadata_path = os.path.join(clone.backup_dir, "training_metadata.json")
+            clone._prev_weights_path = f"{clone._weights_path}.bkp"
+            clone._prev_training_metadata_path = f"{clone._training_metadata_path}.bkp"
+
+        clone.on_train_begin = on_train_begin
+        return clone
+    return callback
+
+
+def redirect_non_chief_writes_in_fit() -> None:
+    """Makes `fit` under a multi-worker tfdist strategy write callback files from the chief only.
+
+    TensorFlow's multi-worker guide: every worker saves (saving may run
+    collectives), but only the chief writes where the user asked; the others
+    write to a temporary directory that is removed afterwards. Keras 3's
+    `ModelCheckpoint`, `TensorBoard` and `BackupAndRestore` know nothing of
+    workers (tf-keras's did), so all workers would write the same files at
+    once. Under a strategy with `write_dir`/`is_chief` (the multi_worker
+    strategy), `fit` gets copies of those callbacks that write under
+    `strategy.write_dir(path)`; `BackupAndRestore` still restores from the
+    chief's directory. Uses the private attributes of `BackupAndRestore`
+    (`_weights_path`, `_training_metadata_path`, `_prev_*`), verified on Keras
+    3.5 to 3.15. Installed once, by the strategy's constructor.
+    """
+    if _fit_hook:
+        return
+    import inspect
+
+    trainer = _trainer_class()
+    original = trainer.fit
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        strategy = getattr(self, "_distribute_strategy", None)
+        if not hasattr(strategy, "write_dir") or strategy.is_chief:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        callbacks = bound.arguments.get("callbacks")
+        if isinstance(callbacks, (list, tuple)):
+            bound.arguments["callbacks"] = [_redirected_callback(c, strategy) for c in callbacks]
+        try:
+            return original(*bound.args, **bound.kwargs)
+        finally:
+            strategy.remove_write_dir(strategy.write_dir("x"))
+
+    _fit_hook["fit"] = original
+    trainer.fit = fit
+
+
+# ---------------------------------------------------------------------------
+# Estimator-style runner (tfdist.estimator): stable keys for model_fn variables.
+# ---------------------------------------------------------------------------
+
+
+def fresh_keras_names():
+    """Auto-names Keras objects made inside as if they were the first of their kind.
+
+    `tfdist.estimator` calls a `model_fn` once per trace; every call builds new
+    Keras layers, which Keras names `dense`, `dense_1`, ... from a process-wide
+    counter. Inside this context the counter starts afresh, so the layers of
+    each call get the same names and their variables the same paths
+    (`dense/kernel`), which is what the runner keys reused variables on.
+    Keras keeps the counter in `keras.src.backend.common.global_state`
+    (per thread). Verified on Keras 3.5 to 3.15.
+    """
+    import collections
+    import contextlib
+
+    from keras.src.backend.common import global_state
+
+    @contextlib.contextmanager
+    def scope():
+        saved = global_state.get_global_attribute("object_name_uids")
+        global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
+        try:
+            yield
+        finally:
+            global_state.set_global_attribute("object_name_uids", saved)
+
+    return scope()
+
+
+def keras_name_scope_path() -> str:
+    """The Keras name-scope path a variable created now gets (`"dense"` in a Dense build).
+
+    Keras 3 computes `Variable.path` from the same private stack
+    (`keras.src.backend.common.name_scope.current_path`). Verified on Keras
+    3.5 to 3.15.
+    """
+    from keras.src.backend.common.name_scope import current_path
+
+    return current_path()
+
+
+# ---------------------------------------------------------------------------
+# Parameter-server training (issue 5). Keras 3 dropped tf-keras's
+# ClusterCoordinator support: under ParameterServerStrategy its `fit` fails
+# with "To use this dataset, you need to pass this dataset to
+# ClusterCoordinator.create_per_worker_dataset" (TFEpochIterator distributes
+# the dataset on the chief), and its optimizer and GradientTape reject the
+# ShardedVariable a variable partitioner creates ("'ShardedVariable' object has
+# no attribute 'handle'"). The helpers below are what tfdist's host loop
+# (`tfdist.engine.parameter_server`) needs from Keras internals. Verified on
+# Keras 3.5 to 3.15 and TensorFlow 2.16 to 2.21.
+# ---------------------------------------------------------------------------
+
+
+def _is_parameter_server_model(model) -> bool:
+    from tfdist.strategies.base import is_tfdist_strategy
+
+    strategy = getattr(model, "_distribute_strategy", None)
+    return is_tfdist_strategy(strategy) and strategy.gradient_path == "parameter_server"
+
+
+def _patched_ps(original, method: str):
+    # The hook: a model under a tfdist parameter-server strategy runs tfdist's
+    # host loop; every other model runs Keras's own method, unchanged.
+    @functools.wraps(original)
+    def run(self, *args, **kwargs):
+        if not _is_parameter_server_model(self):
+            return original(self, *args, **kwargs)
+        from tfdist.engine import parameter_server
+
+        return getattr(parameter_server, method)(self, *args, **kwargs)
+
+    return run
+
+
+def install_parameter_server_fit() -> None:
+    """Routes `fit`/`evaluate`/`predict` of parameter-server models to tfdist; idempotent."""
+    if "ps_fit" in _originals:
+        return
+    trainer = _trainer_class()
+    for method in ("fit", "evaluate", "predict"):
+        _originals[f"ps_{method}"] = trainer.__dict__[method]
+        setattr(trainer, method, _patched_ps(_originals[f"ps_{method}"], method))
+    read_sharded_variables_as_arrays()
+
+
+def uninstall_parameter_server_fit() -> None:
+    """Restores Keras's own `fit`/`evaluate`/`predict`."""
+    trainer = _trainer_class()
+    for method in ("fit", "evaluate", "predict"):
+        original = _originals.pop(f"ps_{method}", None)
+        if original is not None:
+            setattr(trainer, method, original)
+    if "variable_numpy" in _originals:
+        from keras.src.backend.tensorflow.core import Variable
+
+        Variable.numpy = _originals.pop("variable_numpy")
+        Variable.__array__ = _originals.pop("variable_array")
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Builds the model, its metrics and optimizer variables from one batch, as `fit` does."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def resume_epoch(model, initial_epoch: int) -> int:
+    """The epoch to start at: BackupAndRestore's restored epoch, else `initial_epoch`."""
+    return model._initial_epoch or initial_epoch
+
+
+def pythonify_logs(logs) -> dict:
+    from keras.src.utils.python_utils import pythonify_logs as pythonify
+
+    return pythonify(logs)
+
+
+def metrics_result_or_logs(model, logs) -> dict:
+    return model._get_metrics_result_or_logs(logs)
+
+
+def is_sharded(variable) -> bool:
+    """Whether a Keras (or TF) variable is a `ShardedVariable` from a variable partitioner."""
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    return isinstance(_tf_variable(variable), ShardedVariable)
+
+
+def variable_parts(variable) -> list:
+    """The TensorFlow variables that hold a Keras variable: its shards, or itself."""
+    v = _tf_variable(variable)
+    return list(v.variables) if is_sharded(v) else [v]
+
+
+def apply_update_unsynchronized(optimizer, grads: Sequence, variables: Sequence) -> None:
+    """Applies one worker's gradients to the variables on the ps tasks, without synchronization.
+
+    Keras's `Optimizer.apply` routes each update through
+    `strategy.extended.update`, which rejects a `ShardedVariable` ("You can not
+    update `var` ... It must be a Variable"). On a parameter server there is
+    nothing to synchronize: the worker runs the optimizer's `update_step` on
+    each variable, and TensorFlow places each read and assignment on the ps
+    task that holds the variable (or the shard).
+    """
+    variables = list(variables)
+    pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+    if not pairs:
+        return
+    learning_rate = optimizer.learning_rate
+    if optimizer.weight_decay is not None:
+        for _, v in pairs:
+            if optimizer._use_weight_decay(v):
+                tv = _tf_variable(v)
+                lr = tf.cast(learning_rate, tv.dtype)
+                wd = tf.cast(optimizer.weight_decay, tv.dtype)
+                tv.assign_sub(tf.convert_to_tensor(tv) * wd * lr)
+    for g, v in pairs:
+        optimizer.update_step(g, _tf_variable(v), learning_rate)
+    for _, v in pairs:
+        if v.constraint is not None:
+            v.assign(v.constraint(v))
+    optimizer._iterations.assign_add(1)
+
+
+def colocate_slots_with_shards(strategy) -> None:
+    """Makes optimizer slots of a partitioned variable partitioned alike, shard by shard.
+
+    Upstream: Keras 3's TensorFlow optimizer creates each slot inside
+    `strategy.extended.colocate_vars_with(variable)`; for a `ShardedVariable`,
+    ParameterServerStrategy does not partition the slot and colocates it with
+    nothing, so Adam's moments of a partitioned embedding land on the chief
+    ("/job:chief/.../CPU:0") and every step ships them across the network. Here
+    each slot of a sharded variable is itself a `ShardedVariable` whose shard i
+    lives with shard i of the variable. Verified on TensorFlow 2.16 to 2.21.
+    """
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    extended = strategy.extended
+    original = extended._create_variable
+
+    def create_variable(next_creator, **kwargs):
+        reference = kwargs.get("colocate_with")
+        if not isinstance(reference, ShardedVariable):
+            return original(next_creator, **kwargs)
+        initial = kwargs.pop("initial_value")
+        full = initial() if callable(initial) else initial
+        full = tf.convert_to_tensor(full, dtype=kwargs.get("dtype"))
+        name = kwargs.get("name")
+        parts, offset = [], 0
+        for i, shard in enumerate(reference.variables):
+            rows = int(shard.shape[0])
+            part_kwargs = dict(kwargs)
+            part_kwargs["colocate_with"] = shard
+            part_kwargs["initial_value"] = full[offset : offset + rows]
+            part_kwargs["shape"] = full[offset : offset + rows].shape
+            if name is not None:
+                part_kwargs["name"] = f"{name}/part_{i}"
+            parts.append(original(next_creator, **part_kwargs))
+            offset += rows
+        return ShardedVariable(parts)
+
+    extended._create_variable = create_variable
+
+
+def read_sharded_variables_as_arrays() -> None:
+    """Lets Keras read a partitioned variable as one array (`get_weights`, `model.save`); idempotent.
+
+    Upstream: Keras 3's TensorFlow `Variable.numpy()` and `__array__` call the
+    same methods of the `tf.Variable` they wrap, which a `ShardedVariable` lacks
+    ("'ShardedVariable' object has no attribute '__array__'"), so `model.save`
+    fails for a model with a partitioned variable. A sharded value is read by
+    concatenating its shards; every other variable reads as before.
+    """
+    if "variable_numpy" in _originals:
+        return
+    from keras.src.backend.tensorflow.core import Variable
+
+    _originals["variable_numpy"] = Variable.numpy
+    _originals["variable_array"] = Variable.__array__
+
+    def numpy(self):
+        if is_sharded(self):
+            return tf.convert_to_tensor(self.value).numpy()
+        return _originals["variable_numpy"](self)
+
+    def __array__(self, dtype=None):
+        if is_sharded(self):
+            import numpy as np
+
+            return np.asarray(tf.convert_to_tensor(self.value).numpy(), dtype=dtype)
+        return _originals["variable_array"](self, dtype)
+
+    Variable.numpy = numpy
+    Variable.__array__ = __array__
+
+
+# ---------------------------------------------------------------------------
+# XLA for the step engine (issue 7).
+# ---------------------------------------------------------------------------
+
+# Collective ops stay outside XLA: each replica's XLA computation is a separate
+# launch on CPU, so they cannot be compiled into it.
+_NOT_XLA_OPS = frozenset(
+    {
+        "CollectiveReduce",
+        "CollectiveReduceV2",
+        "CollectiveReduceV3",
+        "CollectiveGather",
+        "CollectiveGatherV2",
+        "CollectiveBcastSend",
+        "CollectiveBcastRecv",
+        "CollectiveBcastSendV2",
+        "CollectiveBcastRecvV2",
+        "CollectiveAllToAllV2",
+        "CollectiveAllToAllV3",
+        "CollectiveReduceScatterV2",
+        "NcclAllReduce",
+        "Placeholder",
+    }
+)
+
+
+@contextlib.contextmanager
+def xla_compiled_ops():
+    """Marks the ops created in the block for XLA compilation (no-op when eager).
+
+    Upstream (TF 2.21 / Keras 3.15): `model.compile(jit_compile=True)` under a
+    2-device MirroredStrategy fails with InvalidArgumentError, because Keras
+    wraps the whole train step — the optimizer's gradient all-reduce, a
+    `merge_call`, included — in `tf.function(jit_compile=True)`. tfdist sets
+    `_XlaCompile` on the ops of each replica's forward and backward pass
+    instead: what `tf.xla.experimental.jit_scope` does, but per op, because
+    MirroredStrategy's replica threads interleave at a collective (synchronized
+    BatchNorm) and would leak a graph-wide scope to each other. TensorFlow's
+    clustering pass then compiles the marked ops of each device with XLA
+    (`_XlaCompile`/`_XlaRun` in the executed graph) and leaves collectives, and
+    any op XLA has no kernel for, outside. Verified on TensorFlow 2.16 to 2.21.
+    """
+    if tf.executing_eagerly():
+        yield
+        return
+    from tensorflow.core.framework import attr_value_pb2
+
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_operations())
+    try:
+        yield
+    finally:
+        for op in graph.get_operations()[before:]:
+            if op.type in _NOT_XLA_OPS:
+                continue
+            op._set_attr("_XlaCompile", attr_value_pb2.AttrValue(b=True))
+            op._set_attr("_XlaScope", attr_value_pb2.AttrValue(s=b"tfdist_replica_step"))
+
+
+# ---------------------------------------------------------------------------
+# Input distribution (tfdist.data.TransferManager).
+# ---------------------------------------------------------------------------
+
+
+def distribute_dataset(strategy, dataset, options, distribute):
+    """`distribute(dataset, options)`, working around a TensorFlow bug for central storage.
+
+    Upstream (TensorFlow 2.4 to 2.21, no issue filed that we know of):
+    `CentralStorageStrategy.experimental_distribute_dataset` reads
+    `options.experimental_replication_moden` (a typo) whenever `options` is
+    given, so any `tf.distribute.InputOptions` fail with `AttributeError`. Its
+    override only rejects `InputReplicationMode.PER_REPLICA`; this does the
+    same check and calls the base `Strategy.experimental_distribute_dataset`.
+    Verified on TensorFlow 2.21.
+
+    Args:
+        strategy: the strategy distributing the dataset.
+        dataset: the `tf.data.Dataset`.
+        options: `tf.distribute.InputOptions` or `None`.
+        distribute: the strategy's own `experimental_distribute_dataset`.
+    """
+    central = tf.distribute.experimental.CentralStorageStrategy
+    if options is None or not isinstance(strategy, central):
+        return distribute(dataset, options)
+    if options.experimental_replication_mode == tf.distribute.InputReplicationMode.PER_REPLICA:
+        raise NotImplementedError(
+            "InputReplicationMode.PER_REPLICA is only supported in "
+            "`distribute_datasets_from_function`."
+        )
+    return tf.distribute.Strategy.experimental_distribute_dataset(strategy, dataset, options)
+
+
+# ---------------------------------------------------------------------------
+# Sharded optimizer (ZeRO stages 1 and 2): the user's optimizer, built on one
+# flat slice per replica, reading and writing a canonical unsharded state.
+# Verified on Keras 3.15 / TensorFlow 2.21.
+# ---------------------------------------------------------------------------
+
+_SHARDED_HOOKS = (
+    "build",
+    "_clip_gradients",
+    "finalize_variable_values",
+    "save_own_variables",
+    "load_own_variables",
+    "_trackable_children",
+)
+
+
+def install_sharded_optimizer(optimizer, sharded) -> None:
+    """Routes `optimizer`'s build, clipping, EMA finalisation and checkpointing to `sharded`.
+
+    `sharded` (a `tfdist.strategies.sharded_optimizer.ShardedState`) provides
+    one method per name in `_SHARDED_HOOKS`. They are set on the instance,
+    so the optimizer keeps its class (its config and `.keras` class name stay
+    Keras's) and optimizers outside the sharded strategy are untouched. Keras
+    calls `optimizer.build(model.trainable_variables)` from `fit`,
+    `compile_from_config` and `apply`; every such call now builds the slices.
+    """
+    for name in _SHARDED_HOOKS:
+        object.__setattr__(optimizer, name, getattr(sharded, name))
+    object.__setattr__(optimizer, "_tfdist_sharded", sharded)
+
+
+def sharded_state(optimizer):
+    """The `ShardedState` installed on `optimizer`, or `None`."""
+    return optimizer.__dict__.get("_tfdist_sharded")
+
+
+def build_optimizer(optimizer, variables: Sequence) -> None:
+    """Runs the optimizer class's own `build` (bypassing an instance hook)."""
+    type(optimizer).build(optimizer, list(variables))
+
+
+def class_trackable_children(optimizer, save_type, **kwargs) -> dict:
+    return type(optimizer)._trackable_children(optimizer, save_type, **kwargs)
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    return optimizer.weight_decay is not None and optimizer._use_weight_decay(variable)
+
+
+def update_replica_id():
+    """Inside `strategy.extended.update`'s function: the replica being updated (a Python int)."""
+    from tensorflow.python.distribute import distribute_lib
+
+    return distribute_lib.get_update_replica_id()
+
+
+def canonical_optimizer_layout(optimizer, flat_variable, num_variables: int) -> list:
+    """How `optimizer`'s state, built on `flat_variable`, maps to a single-device build.
+
+    A template copy of the optimizer (same class and config) is built on
+    `num_variables` one-element proxies; its `variables` list is the order a
+    single-device optimizer would save. Returns one entry per template
+    variable: `("slot", slot_name, variable_index)` for state created with
+    `add_variable_from_reference` (Adam's momentum of variable 3, ...), or
+    `("plain", variable)` for the optimizer's own state (iterations, learning
+    rate, Nadam's `u_product`), matched in order.
+    """
+    import re
+
+    import numpy as np
+
+    template = type(optimizer).from_config(optimizer.get_config())
+    proxies = [
+        keras.Variable(np.zeros((1,), "float32"), name=f"tfdistproxy{i}") for i in range(num_variables)
+    ]
+    type(template).build(template, proxies)
+    prefix = flat_variable.path.replace("/", "_") + "_"
+    slots, plain = {}, []
+    for v in optimizer.variables:
+        if v.name.startswith(prefix):
+            slots[v.name[len(prefix):]] = v
+        else:
+            plain.append(v)
+    entries = []
+    plain_iter = iter(plain)
+    pattern = re.compile(r"tfdistproxy(\d+)_(.+)$")
+    for tv in template.variables:
+        match = pattern.search(tv.name)
+        if match and match.group(2) in slots:
+            entries.append(("slot", match.group(2), int(match.group(1))))
+        else:
+            v = next(plain_iter, None)
+            if v is None or tuple(v.shape) != tuple(tv.shape):
+                raise NotImplementedError(
+                    f"{type(optimizer).__name__} keeps state the sharded optimizer cannot map to "
+                    f"its single-device layout (variable {tv.name!r}). Use mirrored, or an "
+                    "optimizer whose state is per element (SGD, Adam, AdamW, RMSprop, Adagrad, "
+                    "Nadam, Lion, ...)."
+                )
+            entries.append(("plain", v))
+    return entries, slots
+
+
+def _tf_update_step(optimizer, strategy, grads, variable, learning_rate) -> None:
+    # Nadam advances its `u_product` once per step in `_backend_update_step`,
+    # which Keras reaches through a merge_call we are already past.
+    from keras.src.optimizers.nadam import Nadam
+
+    if isinstance(optimizer, Nadam):
+        from keras.src import ops
+
+        dtype = optimizer._u_product.dtype
+        optimizer.assign(
+            optimizer._u_product,
+            optimizer._u_product
+            * optimizer.beta_1
+            * (1.0 - 0.5 * ops.power(0.96, ops.cast(optimizer.iterations + 1, dtype))),
+        )
+    optimizer._distributed_tf_update_step(strategy, [(grads, variable)], learning_rate)
+
+
+def apply_sharded_update(optimizer, grads, flat_variable, decay_mask_fn) -> None:
+    """Updates every replica's slice of `flat_variable` with its gradient slice.
+
+    Cross-replica context. `grads` is a per-replica value (replica `r`'s
+    gradient for its slice); `decay_mask_fn(r)` returns `None` (decay every
+    element) or a float mask of the elements whose variable takes weight
+    decay. Runs, per replica and in Keras's order: decoupled weight decay,
+    the optimizer's `update_step`, the EMA of the slice and its periodic
+    overwrite. The iteration count is advanced by the caller after the
+    all-gather (Keras advances it last).
+    """
+    from keras.src import backend as keras_backend
+
+    strategy = tf.distribute.get_strategy()
+    variable = _tf_variable(flat_variable)
+    with keras_backend.name_scope(optimizer.name, caller=optimizer):
+        learning_rate = optimizer.learning_rate
+        if optimizer.weight_decay is not None:
+
+            def decay(v):
+                lr = tf.cast(learning_rate, v.dtype)
+                wd = tf.cast(optimizer.weight_decay, v.dtype)
+                mask = decay_mask_fn(update_replica_id())
+                step = v * wd * lr
+                return v.assign_sub(step if mask is None else step * mask)
+
+            strategy.extended.update(variable, decay, group=False)
+        _tf_update_step(optimizer, strategy, grads, variable, learning_rate)
+        if optimizer.use_ema:
+            average = _tf_variable(optimizer._model_variables_moving_average[0])
+            not_first = tf.cast(tf.not_equal(optimizer.iterations, 0), tf.float32)
+            momentum = not_first * optimizer.ema_momentum
+
+            def ema(avg, value):
+                return avg.assign(momentum * avg + (1.0 - momentum) * tf.convert_to_tensor(value))
+
+            strategy.extended.update(average, ema, args=(variable,), group=False)
+            if optimizer.ema_overwrite_frequency:
+                overwrite = tf.equal((optimizer.iterations + 1) % optimizer.ema_overwrite_frequency, 0)
+
+                def maybe_overwrite(v, avg):
+                    return v.assign(tf.where(overwrite, tf.convert_to_tensor(avg), tf.convert_to_tensor(v)))
+
+                strategy.extended.update(variable, maybe_overwrite, args=(average,), group=False)
+
+
+def advance_iterations(optimizer) -> None:
+    optimizer._iterations.assign_add(1)
+
+
+def ema_average(optimizer):
+    """The EMA slot of a sharded optimizer (built on one flat variable)."""
+    return optimizer._model_variables_moving_average[0]
+
+
+def trackable_list(items: Sequence):
+    """A list TensorFlow checkpoints as a trackable list, as Keras's own lists are."""
+    from tensorflow.python.trackable import data_structures
+
+    return data_structures.ListWrapper(list(items))
+
+
+def canonical_checkpoint_value(read_fn, write_fn, shape, dtype):
+    """A trackable that checkpoints as a plain variable of `shape`, read and written by callables.
+
+    `tf.train.Checkpoint` saves it under `.ATTRIBUTES/VARIABLE_VALUE`, the key
+    a `tf.Variable` uses, so a sharded optimizer's checkpoint has the keys
+    and shapes of a single-device one and either restores the other.
+    """
+    from tensorflow.python.trackable import base as trackable_base
+
+    class CanonicalValue(trackable_base.Trackable):
+        def _serialize_to_tensors(self):
+            return {trackable_base.VARIABLE_VALUE_KEY: read_fn()}
+
+        def _restore_from_tensors(self, restored_tensors):
+            value = restored_tensors[trackable_base.VARIABLE_VALUE_KEY]
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(
+                    f"Checkpointed optimizer state has shape {tuple(value.shape)}; this model's "
+                    f"needs {tuple(shape)}. The checkpoint belongs to a different model."
+                )
+            return write_fn(value)
+
+    return CanonicalValue()
+
+
+def refuse_tf_keras_variables(strategy, message: str) -> None:
+    """Makes `strategy` raise `NotImplementedError(message)` when tf-keras creates a variable in its scope.
+
+    tf-keras drives `tf.distribute` strategies itself and would silently
+    train as plain mirrored replicas, ignoring the strategy's own step.
+    """
+    import sys
+
+    original = strategy.extended._create_variable
+
+    def create_variable(next_creator, **kwargs):
+        frame = sys._getframe(1)
+        for _ in range(40):
+            if frame is None:
+                break
+            if frame.f_globals.get("__name__", "").startswith("tf_keras."):
+                raise NotImplementedError(message)
+            frame = frame.f_back
+        return original(next_creator, **kwargs)
+
+    strategy.extended._create_variable = create_variable

@@ -70,5 +70,4 @@ class CentralStorageStrategy(TfdistStrategy, tf.distribute.experimental.CentralS
         )[0]
         super().__init__(compute_devices=compute, parameter_device=param_dev)
         self.parameter_device = param_dev
-        # Metric state stays per replica (upstream keras-team/keras#21054).
-        keras_integration.keep_on_read_variables_per_replica(self, compute)
+        keras_integration.configure_variable_creation(self, on_read_devices=compute)

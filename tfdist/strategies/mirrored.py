@@ -45,3 +45,4 @@ class MirroredStrategy(TfdistStrategy, tf.distribute.MirroredStrategy):
         devs = devices_lib.check_devices(devs) if devs else devices_lib.default_devices()
         keras_integration.isolate_collective_keys(self)
         super().__init__(devices=devs)
+        keras_integration.configure_variable_creation(self)

@@ -1,0 +1,131 @@
+"""Strategy names, options and preset files (issue 3)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist.options import OptionError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = sorted(glob.glob(os.path.join(REPO, "strategies", "*.toml")))
+
+
+def test_get_strategy_returns_a_tf_distribute_strategy():
+    strategy = tfdist.get_strategy("mirrored", devices=["/cpu:0", "/cpu:1"])
+    assert isinstance(strategy, tf.distribute.Strategy)
+    assert isinstance(strategy, tfdist.strategies.MirroredStrategy)
+    assert strategy.num_replicas_in_sync == 2
+    assert strategy.options.bucket_bytes == 25 * 1024 * 1024
+
+
+def test_default_devices_are_every_logical_cpu():
+    assert tfdist.get_strategy("mirrored").num_replicas_in_sync == 4
+    assert tfdist.get_strategy("central_storage").num_replicas_in_sync == 4
+
+
+def test_unknown_strategy_name_lists_valid_names():
+    with pytest.raises(ValueError) as e:
+        tfdist.get_strategy("mirorred")
+    assert str(e.value).startswith("Unknown strategy name 'mirorred'. Valid names: ")
+    for name in ("'mirrored'", "'central_storage'"):
+        assert name in str(e.value)
+
+
+def test_unknown_option_raises_type_error_naming_it_and_valid_ones():
+    with pytest.raises(TypeError) as e:
+        tfdist.get_strategy("mirrored", bucket_size=4)
+    assert str(e.value).startswith("unknown option 'bucket_size' for strategy 'mirrored'. Valid options: ")
+    assert "bucket_bytes" in str(e.value) and "devices" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"bucket_bytes": -1},
+            "option 'bucket_bytes' must be an integer >= 0 (bytes per fused gradient buffer; "
+            "0 turns fusion off). Received: bucket_bytes=-1",
+        ),
+        (
+            {"bucket_bytes": "25MB"},
+            "option 'bucket_bytes' must be an integer >= 0 (bytes per fused gradient buffer; "
+            "0 turns fusion off). Received: bucket_bytes='25MB' (type str)",
+        ),
+        (
+            {"devices": "/cpu:0"},
+            "option 'devices' must be a non-empty list of device strings such as ['/cpu:0', '/cpu:1']. "
+            "Received: devices='/cpu:0' (type str)",
+        ),
+    ],
+)
+def test_bad_option_values_are_named(kwargs, message):
+    with pytest.raises(OptionError) as e:
+        tfdist.get_strategy("mirrored", **kwargs)
+    assert str(e.value) == message
+
+
+def test_bucket_bytes_environment_override(monkeypatch):
+    monkeypatch.setenv("TFDIST_BUCKET_BYTES", "1024")
+    assert tfdist.get_strategy("mirrored", devices=["/cpu:0"]).options.bucket_bytes == 1024
+    monkeypatch.setenv("TFDIST_BUCKET_BYTES", "lots")
+    with pytest.raises(OptionError, match=r"Environment variable TFDIST_BUCKET_BYTES must be an integer >= 0"):
+        tfdist.get_strategy("mirrored", devices=["/cpu:0"])
+
+
+def test_every_preset_in_strategies_loads():
+    assert len(PRESETS) >= 3
+    for path in PRESETS:
+        strategy = tfdist.from_config(path)
+        assert isinstance(strategy, tfdist.strategies.TfdistStrategy), path
+
+
+def test_mapping_preset_builds_the_same_strategy_as_get_strategy():
+    strategy = tfdist.from_config({"strategy": "central_storage", "bucket_bytes": 0, "compute_devices": ["/cpu:0", "/cpu:1"]})
+    assert isinstance(strategy, tfdist.strategies.CentralStorageStrategy)
+    assert strategy.options.bucket_bytes == 0
+    assert strategy.num_replicas_in_sync == 2
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('strategy = "mirrored"\nbucket_bytes = "big"\n',
+         "{path}: option 'bucket_bytes' must be an integer >= 0 (bytes per fused gradient buffer; "
+         "0 turns fusion off). Received: bucket_bytes='big' (type str)"),
+        ('bucket_bytes = 1\n',
+         "{path}: key 'strategy' is missing. Expected a strategy name, one of "
+         "{names}, e.g. strategy = \"mirrored\"."),
+        ('strategy = "ring"\n',
+         "{path}: key 'strategy' must be one of {names}. Received: 'ring'"),
+        ('strategy = "mirrored"\nbuckets = 3\n',
+         "{path}: unknown option 'buckets' for strategy 'mirrored'. Valid options: bucket_bytes, devices"),
+        ('strategy = "mirrored"\n[options]\nbucket_bytes = 3\n',
+         "{path}: key 'options' is a table; presets are flat: write the options of the strategy as "
+         "top-level keys. Received: options = {{'bucket_bytes': 3}}"),
+    ],
+    ids=["wrong-type", "missing-strategy", "unknown-strategy", "unknown-key", "table"],
+)
+def test_bad_preset_names_file_key_and_expectation(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(tfdist.PresetError) as e:
+        tfdist.from_config(str(path))
+    assert str(e.value) == message.format(path=path, names=tfdist.strategy_names())
+
+
+def test_preset_that_is_not_toml_names_the_file(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text('strategy = "mirrored\n')
+    with pytest.raises(tfdist.PresetError, match=rf"^{path}: not valid TOML: "):
+        tfdist.from_config(str(path))
+
+
+def test_missing_preset_file_is_named(tmp_path):
+    with pytest.raises(tfdist.PresetError) as e:
+        tfdist.from_config(str(tmp_path / "nope.toml"))
+    assert str(e.value) == f"{tmp_path / 'nope.toml'}: preset file not found."
