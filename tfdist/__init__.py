@@ -26,6 +26,7 @@ if _os.environ.get("TFDIST_LOCAL_DEVICES"):
     configure_local_devices(int(_os.environ["TFDIST_LOCAL_DEVICES"]))
 
 from tfdist import datasets, options, strategies  # noqa: E402
+from tfdist import data  # noqa: E402
 from tfdist import keras_integration as _keras_integration  # noqa: E402
 from tfdist.options import OptionError, TrainingOptions  # noqa: E402
 from tfdist.registry import PresetError, from_config, get_strategy, register, strategy_names  # noqa: E402
@@ -37,6 +38,7 @@ __all__ = [
     "PresetError",
     "TrainingOptions",
     "configure_local_devices",
+    "data",
     "datasets",
     "from_config",
     "get_strategy",

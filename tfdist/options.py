@@ -90,6 +90,19 @@ def _device_list(v: Any) -> bool:
     return len(v) > 0 and all(isinstance(d, str) and d for d in v)
 
 
+def _sink_size(v: Any) -> bool:
+    # "epoch" or a positive int (bool is rejected by the type check).
+    return v == "epoch" if isinstance(v, str) else v >= 1
+
+
+def _positive_int(v: Any) -> bool:
+    return v >= 1
+
+
+def _accumulation_steps(v: Any) -> bool:
+    return v >= 1
+
+
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 # The step options, shared by every strategy. Add new ones here only.
@@ -108,6 +121,41 @@ STEP_OPTIONS: dict[str, Option] = {
             ),
             check=_nonneg_int,
             env="TFDIST_BUCKET_BYTES",
+        ),
+        Option(
+            name="sink_size",
+            default=None,
+            types=(int, str),
+            expected='a positive integer or "epoch" (training steps per host call)',
+            doc=(
+                "Data sinking: run this many training steps per host call in an "
+                'on-device loop (as Keras\'s steps_per_execution), or "epoch" for a '
+                "whole epoch per call. Default: the model's steps_per_execution."
+            ),
+            check=_sink_size,
+        ),
+        Option(
+            name="transfer",
+            default=True,
+            types=(bool,),
+            expected="True or False",
+            doc=(
+                "Stage input batches onto each replica's device ahead of compute "
+                "(tfdist.data.TransferManager); False leaves batches on the host "
+                "until the step needs them."
+            ),
+        ),
+        Option(
+            name="prefetch_depth",
+            default=2,
+            types=(int,),
+            expected="an integer >= 1 (batches staged ahead on each replica's device)",
+            doc=(
+                "Batches the TransferManager keeps staged on each replica's device; "
+                "2 is double buffering. Environment override TFDIST_PREFETCH_DEPTH."
+            ),
+            check=_positive_int,
+            env="TFDIST_PREFETCH_DEPTH",
         ),
     ]
 }

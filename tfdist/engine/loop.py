@@ -7,50 +7,113 @@ no per-replica value ever reaches Keras (the cause of keras-team/keras#20585),
 and nothing but the loop counter and the next batch is carried through the
 loop (Keras's own loop carries per-step outputs and fails under
 MirroredStrategy with steps_per_execution > 1).
+
+This on-device loop is also data sinking (`sink_size`): the host hands over k
+steps' worth of input and hears back once per k steps. `sink_size=k` sets the
+model's `steps_per_execution` to k at compile (`tfdist.keras_integration`);
+`sink_size="epoch"` tags each epoch's iterator with the epoch's length
+(`STEPS_PER_CALL_ATTR`), which the host function reads as its loop bound, so
+the bound is a tensor and changing it never retraces. `run_steps` is the loop
+itself, for strategies that schedule their own calls (parameter server: one
+closure of k steps per `ClusterCoordinator.schedule`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Union
 
 import tensorflow as tf
+
+# Attribute set on a distributed iterator to give the number of steps a host
+# call runs on it (sink_size="epoch"); read by the host function.
+STEPS_PER_CALL_ATTR = "_tfdist_steps_per_call"
+
+# The bound used when a whole-epoch call has no tagged length: run until the
+# iterator is exhausted.
+UNTIL_EXHAUSTED = 2**31 - 1
 
 
 def _is_tf_iterator(iterator) -> bool:
     return isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
 
 
+def run_steps(iterator, step_fn: Callable, max_steps: Union[int, tf.Tensor]) -> tf.Tensor:
+    """Runs `step_fn` on up to `max_steps` batches of `iterator` in one `tf.while_loop`.
+
+    The building block of data sinking: call it inside a `tf.function` (one
+    host call, or one closure scheduled on a parameter-server worker). Only the
+    counter and the next batch are carried through the loop; whatever
+    `step_fn` returns is dropped, so it must keep its results in variables
+    (metrics, optimizer state). No batch is fetched that is not run: the last
+    iteration does not ask for a following batch.
+
+    Args:
+        iterator: a `tf.data.Iterator` or `tf.distribute.DistributedIterator`.
+        step_fn: callable taking one batch (a distributed batch for a
+            distributed iterator), called in the caller's context.
+        max_steps: int or scalar int32 tensor, >= 1. Steps to run at most; a
+            tensor lets one trace serve every bound.
+
+    Returns:
+        Scalar int32 tensor: the steps run (fewer than `max_steps` when the
+        iterator ran out; 0 when it was already exhausted).
+
+    Example:
+
+    ```python
+    @tf.function
+    def closure(iterator):
+        return tfdist.engine.loop.run_steps(iterator, train_step, 32)
+    ```
+    """
+    max_steps = tf.convert_to_tensor(max_steps, tf.int32)
+
+    def cond(i, optional):
+        return tf.logical_and(i < max_steps, optional.has_value())
+
+    def body(i, optional):
+        step_fn(optional.get_value())
+        following = tf.cond(
+            i + 1 < max_steps,
+            iterator.get_next_as_optional,
+            lambda: optional,
+        )
+        return i + 1, following
+
+    done, _ = tf.while_loop(cond, body, [tf.constant(0), iterator.get_next_as_optional()])
+    return done
+
+
+def _sinks_whole_epochs(model) -> bool:
+    options = getattr(model.distribute_strategy, "options", None)
+    return getattr(options, "sink_size", None) == "epoch"
+
+
 def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callable:
     """Returns `function(iterator) -> logs` running up to `steps_per_call` steps.
 
     Args:
-        model: the Keras model (for its metrics and `run_eagerly`).
+        model: the Keras model (for its metrics, `run_eagerly` and strategy).
         step_fn: cross-replica callable taking one distributed batch.
         steps_per_call: steps per host call (Keras's `steps_per_execution`).
+            Under `sink_size="epoch"` the iterator's tagged epoch length
+            (`STEPS_PER_CALL_ATTR`) is used instead, or, untagged, every
+            remaining batch.
 
     The function raises `StopIteration` when the iterator is exhausted before
     the first step, as Keras's epoch iterator expects.
     """
+    whole_epochs = _sinks_whole_epochs(model)
+
     @tf.autograph.experimental.do_not_convert
-    def one_step(iterator):
+    def one_step(iterator, max_steps):
+        del max_steps
         step_fn(iterator.get_next())
         return tf.constant(1), model.get_metrics_result()
 
     @tf.autograph.experimental.do_not_convert
-    def many_steps(iterator):
-        def cond(i, optional):
-            return tf.logical_and(i < steps_per_call, optional.has_value())
-
-        def body(i, optional):
-            step_fn(optional.get_value())
-            following = tf.cond(
-                i + 1 < steps_per_call,
-                iterator.get_next_as_optional,
-                lambda: optional,
-            )
-            return i + 1, following
-
-        done, _ = tf.while_loop(cond, body, [tf.constant(0), iterator.get_next_as_optional()])
+    def many_steps(iterator, max_steps):
+        done = run_steps(iterator, step_fn, max_steps)
         return done, model.get_metrics_result()
 
     @tf.autograph.experimental.do_not_convert
@@ -58,7 +121,7 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
         step_fn(data)
         return model.get_metrics_result()
 
-    run = one_step if steps_per_call == 1 else many_steps
+    run = one_step if steps_per_call == 1 and not whole_epochs else many_steps
     if not model.run_eagerly:
         run = tf.function(run, reduce_retracing=True)
         on_data = tf.function(on_data, reduce_retracing=True)
@@ -71,8 +134,11 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
             for data in iterator:
                 logs = on_data(data)
             return logs
+        steps = steps_per_call
+        if whole_epochs:
+            steps = getattr(iterator, STEPS_PER_CALL_ATTR, UNTIL_EXHAUSTED)
         try:
-            done, logs = run(iterator)
+            done, logs = run(iterator, tf.constant(steps, tf.int32))
         except tf.errors.OutOfRangeError:
             raise StopIteration from None
         if int(done) == 0:

@@ -47,6 +47,21 @@ class TfdistStrategy:
         """The validated step options (`tfdist.options.TrainingOptions`)."""
         return self._tfdist_options
 
+    def experimental_distribute_dataset(self, dataset, options=None):
+        # Input is staged onto the replicas' devices by tfdist.data.TransferManager
+        # (step options `transfer`, `prefetch_depth`); explicit `options` win.
+        from tfdist.data import TransferManager
+        from tfdist.keras_integration import distribute_dataset
+
+        options = TransferManager.from_options(self.options).input_options(options)
+        return distribute_dataset(self, dataset, options, super().experimental_distribute_dataset)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        from tfdist.data import DatasetFn, TransferManager
+
+        options = TransferManager.from_options(self.options).input_options(options)
+        return super().distribute_datasets_from_function(DatasetFn.wrap(dataset_fn), options)
+
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self._tfdist_params.items() if v is not None)
         return (

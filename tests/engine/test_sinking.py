@@ -1,0 +1,113 @@
+"""Data sinking: k training steps per host call (issue 8)."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.conftest import build_model
+from tests.strategies.parity import relative_difference, strategy_for
+
+
+class BatchEnds(keras.callbacks.Callback):
+    """Records the step index Keras passes to each per-batch hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(batch)
+
+
+def fit_under(name, x, y, sink_size=None, epochs=1, batch_size=32, **fit_kwargs):
+    options = {} if sink_size is None else {"sink_size": sink_size}
+    with strategy_for(name, 2, **options).scope():
+        model = build_model()
+    ends = BatchEnds()
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, callbacks=[ends], **fit_kwargs
+    )
+    return model, history, ends.ends
+
+
+def test_sink_size_32_matches_per_step_training_with_partial_last_chunk(digits):
+    # 1797 examples in batches of 32: 57 steps, run as chunks of 32 and 25.
+    x, y = digits
+    per_step, per_step_history, per_step_ends = fit_under("mirrored", x, y)
+    sunk, sunk_history, sunk_ends = fit_under("mirrored", x, y, sink_size=32)
+    assert sunk.steps_per_execution == 32
+    assert sunk.optimizer.iterations.numpy() == 57
+    assert relative_difference(per_step, sunk) < 1e-6
+    np.testing.assert_allclose(sunk_history.history["loss"], per_step_history.history["loss"], rtol=1e-6)
+    assert per_step_ends == list(range(57))
+    # Keras's documented steps_per_execution behaviour: one hook per host call,
+    # given the chunk's last step index.
+    assert sunk_ends == [31, 63]
+
+
+def test_sink_size_epoch_runs_one_host_call_per_epoch_and_matches(digits):
+    x, y = digits
+    x, y = x[:640], y[:640]  # 20 steps
+    per_step, per_step_history, _ = fit_under("central_storage", x, y, epochs=2, validation_data=(x[:100], y[:100]))
+    sunk, sunk_history, ends = fit_under(
+        "central_storage", x, y, sink_size="epoch", epochs=2, validation_data=(x[:100], y[:100])
+    )
+    assert ends == [19, 19]
+    assert sunk.optimizer.iterations.numpy() == 40
+    assert relative_difference(per_step, sunk) < 1e-6
+    np.testing.assert_allclose(sunk_history.history["val_loss"], per_step_history.history["val_loss"], rtol=1e-6)
+
+
+def test_sink_size_epoch_progress_bar_counts_every_step(digits, capsys):
+    x, y = digits
+    with strategy_for("mirrored", 2, sink_size="epoch").scope():
+        model = build_model()
+    model.fit(x[:320], y[:320], batch_size=32, epochs=1, verbose=1)
+    out = capsys.readouterr().out
+    assert "10/10" in out
+    assert "1/10" not in out
+
+
+def test_sink_size_epoch_with_steps_per_epoch_on_a_repeated_dataset(digits):
+    x, y = digits
+    ds = tf.data.Dataset.from_tensor_slices((x[:320], y[:320])).batch(32).repeat()
+    with strategy_for("mirrored", 2, sink_size="epoch").scope():
+        model = build_model()
+    model.fit(ds, steps_per_epoch=7, epochs=2, verbose=0)
+    assert model.optimizer.iterations.numpy() == 14
+
+
+@pytest.mark.parametrize(
+    "value, shown",
+    [(0, "sink_size=0"), ("ep", "sink_size='ep'"), (True, "sink_size=True (type bool)"), (2.0, "sink_size=2.0 (type float)")],
+)
+def test_sink_size_must_be_a_positive_integer_or_epoch(value, shown):
+    with pytest.raises(tfdist.OptionError) as info:
+        tfdist.get_strategy("mirrored", sink_size=value)
+    assert str(info.value) == (
+        'option \'sink_size\' must be a positive integer or "epoch" (training steps per host call). '
+        f"Received: {shown}"
+    )
+
+
+def test_sink_size_conflicting_with_steps_per_execution_is_an_error():
+    with strategy_for("mirrored", 2, sink_size=8).scope():
+        with pytest.raises(ValueError) as info:
+            build_model(steps_per_execution=4)
+    assert str(info.value) == (
+        "The strategy's sink_size=8 and compile(steps_per_execution=4) disagree; both set "
+        "the training steps per host call. Pass only one of them (or the same integer to both)."
+    )
+
+
+def test_sink_size_epoch_on_input_of_unknown_length_is_an_error(digits):
+    x, y = digits
+    ds = tf.data.Dataset.from_tensor_slices((x[:64], y[:64])).filter(lambda a, b: True).batch(32)
+    with strategy_for("mirrored", 2, sink_size="epoch").scope():
+        model = build_model()
+    with pytest.raises(ValueError, match=r"sink_size='epoch' runs a whole epoch per host call .*assert_cardinality"):
+        model.fit(ds, epochs=1, verbose=0)

@@ -1,0 +1,262 @@
+"""Length bucketing with static shapes: `bucket_by_length`."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+TOO_LONG_POLICIES = ("drop", "error")
+
+
+def _default_length(*element) -> tf.Tensor:
+    first = tf.nest.flatten(element)[0]
+    return tf.shape(first, out_type=tf.int64)[0]
+
+
+def _check_boundaries(boundaries: Any) -> tuple[int, ...]:
+    fix = "Pass strictly increasing positive integers, e.g. boundaries=[16, 32, 64, 128]."
+    if isinstance(boundaries, (str, bytes)) or not hasattr(boundaries, "__len__"):
+        raise ValueError(
+            f"Argument 'boundaries' must be a list of sequence lengths. Received: "
+            f"boundaries={boundaries!r}. {fix}"
+        )
+    values = list(boundaries)
+    if not values or not all(
+        isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b >= 1 for b in values
+    ):
+        raise ValueError(
+            f"Argument 'boundaries' must hold positive integers. Received: "
+            f"boundaries={values!r}. {fix}"
+        )
+    for i in range(1, len(values)):
+        if values[i] <= values[i - 1]:
+            raise ValueError(
+                f"Argument 'boundaries' must be strictly increasing; {values[i]} follows "
+                f"{values[i - 1]} at index {i}. Received: boundaries={values!r}. {fix}"
+            )
+    return tuple(int(b) for b in values)
+
+
+def _check_global_batch(global_batch_size: Any, num_replicas: int) -> int:
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, (int, np.integer)) or global_batch_size < 1:
+        raise ValueError(
+            "Argument 'global_batch_size' must be a positive integer. "
+            f"Received: global_batch_size={global_batch_size!r}"
+        )
+    if global_batch_size % num_replicas:
+        lower = global_batch_size // num_replicas * num_replicas
+        upper = lower + num_replicas
+        hint = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(
+            f"Argument 'global_batch_size' must divide evenly across the {num_replicas} "
+            "replicas, so that every replica in a step gets a batch of the same static "
+            f"shape. Received: global_batch_size={global_batch_size}. Use a multiple of "
+            f"{num_replicas}, e.g. {hint}."
+        )
+    return int(global_batch_size)
+
+
+def quantile_boundaries(lengths: Sequence[int], num_buckets: int) -> tuple[int, ...]:
+    """Boundaries at the `1/num_buckets` quantiles of `lengths`; the last is their maximum.
+
+    Args:
+        lengths: sequence lengths from a sample of the data.
+        num_buckets: int >= 1. Buckets wanted (fewer are returned when
+            quantiles coincide).
+
+    Example:
+
+    ```python
+    quantile_boundaries([3, 5, 8, 9, 20], 2)  # (8, 20)
+    ```
+    """
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.size == 0:
+        raise ValueError(
+            "Cannot choose boundaries from an empty sample of lengths: the dataset "
+            "has no elements. Pass boundaries=[...] explicitly or a non-empty dataset."
+        )
+    qs = np.arange(1, num_buckets + 1) / num_buckets
+    edges = np.ceil(np.quantile(lengths, qs, method="higher")).astype(np.int64)
+    edges[-1] = lengths.max()
+    return tuple(int(b) for b in np.unique(np.maximum(edges, 1)))
+
+
+def bucket_by_length(
+    dataset: tf.data.Dataset,
+    length_fn: Optional[Callable[..., tf.Tensor]] = None,
+    boundaries: Optional[Sequence[int]] = None,
+    global_batch_size: int = 32,
+    pad_values: Any = None,
+    drop_remainder: bool = True,
+    num_replicas: Optional[int] = None,
+    num_buckets: int = 4,
+    sample_size: int = 1000,
+    too_long: str = "drop",
+) -> tf.data.Dataset:
+    """Batches variable-length examples by length bucket, padding each batch to its bucket's edge.
+
+    Every example whose length is in `(boundaries[i-1], boundaries[i]]` goes
+    to bucket `i`; a batch holds examples of one bucket only and its sequence
+    axis (axis 0 of every component of unknown length) is padded to exactly
+    `boundaries[i]`. So each bucket has one static shape (one XLA program per
+    bucket, not one per length) and little compute goes to padding. Global
+    batches hold `global_batch_size` examples, a multiple of the replica count,
+    so a strategy splits each into equal per-replica batches of the same
+    bucket, as synchronous collectives and XLA need.
+
+    Args:
+        dataset: `tf.data.Dataset` of unbatched examples (a tensor, tuple or
+            dict per example).
+        length_fn: Optional callable taking an example (its components as
+            arguments, as `Dataset.map` passes them) and returning its length
+            as a scalar integer tensor. Default: the size of axis 0 of the
+            example's first component (in `tf.nest` order).
+        boundaries: Optional strictly increasing positive integers, the padded
+            length of each bucket. Default: chosen from the lengths of the
+            first `sample_size` examples, at their `1/num_buckets` quantiles,
+            the last being the longest sampled example.
+        global_batch_size: int. Examples per global batch (over all
+            replicas); must be a multiple of `num_replicas`. Default 32.
+        pad_values: Optional padding value: a scalar, used for every padded
+            component, or a structure matching an example. Default 0 (`""`
+            for strings).
+        drop_remainder: bool. Drop each bucket's last batch when it is short
+            (default `True`: every batch full, one shape per bucket). `False`
+            keeps it, which adds a shape (an XLA program) per bucket.
+        num_replicas: Optional int. Replicas the global batch is split over.
+            Default: `num_replicas_in_sync` of the current strategy scope (1
+            outside any).
+        num_buckets: int. Buckets to aim for when `boundaries` is `None`.
+            Default 4.
+        sample_size: int. Examples read to choose `boundaries` when `None`.
+            Default 1000.
+        too_long: `"drop"` (default) or `"error"`. What happens to an example
+            longer than the last boundary: dropped and counted in the returned
+            dataset's `dropped` variable, or a `tf.errors.InvalidArgumentError`
+            naming its length.
+
+    Returns:
+        A batched `tf.data.Dataset`. It also carries `boundaries` (tuple of
+        int) and `dropped` (an int64 `tf.Variable`, the examples dropped so
+        far as too long) as attributes; later transformations do not keep them.
+
+    Raises:
+        ValueError: bad `boundaries`, `global_batch_size`, `too_long`,
+            `num_buckets` or `sample_size`; the message names the value and
+            the fix.
+
+    Example:
+
+    ```python
+    tokens = tf.data.Dataset.from_generator(...)  # (int32 [length], label)
+    train = tfdist.data.bucket_by_length(
+        tokens, boundaries=[16, 32, 64], global_batch_size=64)
+    model.fit(train, epochs=3)
+    ```
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            "Argument 'dataset' must be a tf.data.Dataset of unbatched examples. "
+            f"Received: dataset of type {type(dataset).__name__}"
+        )
+    if too_long not in TOO_LONG_POLICIES:
+        raise ValueError(
+            f"Argument 'too_long' must be 'drop' or 'error'. Received: too_long={too_long!r}"
+        )
+    if num_replicas is None:
+        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    global_batch_size = _check_global_batch(global_batch_size, num_replicas)
+    length_fn = length_fn or _default_length
+
+    def length_of(*element):
+        return tf.cast(length_fn(*element), tf.int64)
+
+    if boundaries is None:
+        for name, value in (("num_buckets", num_buckets), ("sample_size", sample_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"Argument '{name}' must be a positive integer. Received: {name}={value!r}"
+                )
+        sample = dataset.take(sample_size).map(length_of)
+        boundaries = quantile_boundaries(list(sample.as_numpy_iterator()), num_buckets)
+    else:
+        boundaries = _check_boundaries(boundaries)
+    edges = tf.constant(boundaries, tf.int64)
+    longest = boundaries[-1]
+    dropped = tf.Variable(0, dtype=tf.int64, trainable=False, name="bucket_by_length_dropped")
+
+    if too_long == "drop":
+
+        def fits(*element):
+            ok = length_of(*element) <= longest
+            with tf.control_dependencies([dropped.assign_add(tf.cast(tf.logical_not(ok), tf.int64))]):
+                return tf.identity(ok)
+
+        dataset = dataset.filter(fits)
+    else:
+
+        def check(*element):
+            length = length_of(*element)
+            assertion = tf.debugging.Assert(
+                length <= longest,
+                [
+                    f"bucket_by_length: an example is longer than the last boundary "
+                    f"({longest}); pass longer boundaries or too_long='drop'. Its length:",
+                    length,
+                ],
+            )
+            with tf.control_dependencies([assertion]):
+                return tf.nest.map_structure(tf.identity, element if len(element) > 1 else element[0])
+
+        dataset = dataset.map(check)
+
+    spec = dataset.element_spec
+
+    def padded_shapes(edge):
+        def one(component_spec):
+            shape = component_spec.shape
+            if shape.rank is None:
+                raise ValueError(
+                    "bucket_by_length needs every component's rank to be known. "
+                    f"Received: a component with spec {component_spec}"
+                )
+            dims = [-1 if d is None else d for d in shape.as_list()]
+            if shape.rank >= 1 and shape[0] is None:
+                return tf.concat([tf.reshape(edge, [1]), tf.constant(dims[1:], tf.int64)], 0)
+            return tf.constant(dims, tf.int64)
+
+        return tf.nest.map_structure(one, spec)
+
+    if pad_values is None:
+        padding = None
+    elif tf.nest.is_nested(pad_values):
+        padding = pad_values
+    else:
+        padding = tf.nest.map_structure(
+            lambda s: tf.constant(pad_values, s.dtype)
+            if s.dtype == tf.string
+            else tf.cast(pad_values, s.dtype),
+            spec,
+        )
+
+    def key_of(*element):
+        # Index of the first boundary >= length.
+        return tf.searchsorted(
+            edges, tf.reshape(length_of(*element), [1]), side="left", out_type=tf.int64
+        )[0]
+
+    def batch_bucket(key, window):
+        return window.padded_batch(
+            global_batch_size,
+            padded_shapes=padded_shapes(tf.gather(edges, key)),
+            padding_values=padding,
+            drop_remainder=drop_remainder,
+        )
+
+    batched = dataset.group_by_window(key_of, batch_bucket, window_size=global_batch_size)
+    batched.boundaries = boundaries
+    batched.dropped = dropped
+    return batched
