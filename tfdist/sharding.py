@@ -1,0 +1,194 @@
+"""The flat layout of sharded parameters: which replica owns which elements.
+
+The sharded-optimizer strategy treats the trainable variables as one flat
+float32 vector (variables in order, each flattened row-major), padded with
+zeros to a multiple of the replica count, and gives replica `r` the contiguous
+slice `[r * S, (r + 1) * S)` with `S = ceil(P / N)`. Work and memory are then
+balanced however unevenly the parameters are spread over layers. Everything
+here is static (fixed per model), so it is computed once, in Python, and turned
+into small constants at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Where one variable's elements fall inside one replica's slice.
+
+    Args:
+        variable: index of the variable in the layout.
+        start: first element of the variable covered (flattened index).
+        stop: one past the last element covered.
+        offset: position of `start` inside the slice.
+    """
+
+    variable: int
+    start: int
+    stop: int
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """How `len(shapes)` variables map onto `num_shards` even contiguous slices.
+
+    Args:
+        shapes: the variables' static shapes, in order.
+        num_shards: the number of replicas `N`, >= 1.
+
+    Example:
+
+    ```python
+    layout = FlatLayout(((3, 2), (4,)), num_shards=4)
+    layout.total, layout.shard_size, layout.padding   # 10, 3, 2
+    ```
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    num_shards: int
+
+    @classmethod
+    def for_variables(cls, variables: Sequence, num_shards: int) -> FlatLayout:
+        return cls(tuple(tuple(int(d) for d in v.shape) for v in variables), num_shards)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in np.cumsum((0,) + self.sizes[:-1]))
+
+    @property
+    def total(self) -> int:
+        """P: the number of parameters."""
+        return sum(self.sizes)
+
+    @property
+    def shard_size(self) -> int:
+        """S: elements per replica, `ceil(P / N)` (at least 1)."""
+        return max(1, -(-self.total // self.num_shards))
+
+    @property
+    def padding(self) -> int:
+        """Zeros appended so that the flat vector splits evenly."""
+        return self.shard_size * self.num_shards - self.total
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        return shard * self.shard_size, (shard + 1) * self.shard_size
+
+    def pieces(self, shard: int) -> list[Piece]:
+        """The variables' parts inside `shard`'s slice, in order."""
+        lo, hi = self.shard_range(shard)
+        out = []
+        for i, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+            start, stop = max(lo, offset), min(hi, offset + size)
+            if start < stop:
+                out.append(Piece(i, start - offset, stop - offset, start - lo))
+        return out
+
+    # Tensors ----------------------------------------------------------------
+    def flatten(self, tensors: Sequence) -> tf.Tensor:
+        """The padded flat float32 vector of `tensors` (`None` counts as zeros)."""
+        parts = []
+        for t, shape, size in zip(tensors, self.shapes, self.sizes):
+            if t is None:
+                parts.append(tf.zeros([size], tf.float32))
+                continue
+            if isinstance(t, tf.IndexedSlices):
+                t = tf.convert_to_tensor(t)
+            parts.append(tf.reshape(tf.cast(t, tf.float32), [size]))
+        if self.padding:
+            parts.append(tf.zeros([self.padding], tf.float32))
+        return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+
+    def unflatten(self, flat, dtypes: Optional[Sequence] = None) -> list:
+        """Inverse of `flatten`: one tensor per variable, cast to `dtypes` if given."""
+        pieces = tf.split(flat[: self.total], list(self.sizes)) if len(self.sizes) > 1 else [flat[: self.total]]
+        out = [tf.reshape(p, s) for p, s in zip(pieces, self.shapes)]
+        if dtypes is not None:
+            out = [tf.cast(t, d) if t.dtype != d else t for t, d in zip(out, dtypes)]
+        return out
+
+    def shard(self, flat, shard: int):
+        lo, hi = self.shard_range(shard)
+        return flat[lo:hi]
+
+    def flatten_numpy(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        flat = np.zeros([self.shard_size * self.num_shards], np.float32)
+        for a, offset, size in zip(arrays, self.offsets, self.sizes):
+            flat[offset:offset + size] = np.asarray(a, np.float32).reshape(-1)
+        return flat
+
+    def unflatten_numpy(self, flat: np.ndarray) -> list[np.ndarray]:
+        return [
+            np.asarray(flat[offset:offset + size]).reshape(shape)
+            for offset, size, shape in zip(self.offsets, self.sizes, self.shapes)
+        ]
+
+    def segment_ids(self, shard: int) -> tf.Tensor:
+        """int32 `[S]`: the variable index of each element of `shard`'s slice.
+
+        Padding elements get the index `len(shapes)` (one past the last).
+        """
+        ids, lengths = [], []
+        position = 0
+        for piece in self.pieces(shard):
+            ids.append(piece.variable)
+            lengths.append(piece.stop - piece.start)
+            position += piece.stop - piece.start
+        if position < self.shard_size:
+            ids.append(len(self.shapes))
+            lengths.append(self.shard_size - position)
+        return tf.repeat(tf.constant(ids, tf.int32), tf.constant(lengths, tf.int32))
+
+    def mask(self, shard: int, selected: Sequence[bool]) -> Optional[tf.Tensor]:
+        """float32 `[S]`: 1 where the element's variable is selected, else 0.
+
+        Returns `None` when every variable in the slice is selected (no mask
+        needed); padding counts as selected (its values stay zero).
+        """
+        pieces = self.pieces(shard)
+        if all(selected[p.variable] for p in pieces):
+            return None
+        values, lengths = [], []
+        position = 0
+        for p in pieces:
+            values.append(1.0 if selected[p.variable] else 0.0)
+            lengths.append(p.stop - p.start)
+            position += p.stop - p.start
+        if position < self.shard_size:
+            values.append(1.0)
+            lengths.append(self.shard_size - position)
+        return tf.repeat(tf.constant(values, tf.float32), tf.constant(lengths, tf.int32))
+
+
+def gather_shard(layout: FlatLayout, tensors: Sequence, shard: int) -> tf.Tensor:
+    """`layout.shard(layout.flatten(tensors), shard)` without building the whole flat vector.
+
+    Only the pieces of `shard`'s slice are read, so a replica materialises
+    `S` elements, not `P`.
+    """
+    parts = []
+    position = 0
+    for p in layout.pieces(shard):
+        t = tensors[p.variable]
+        size = p.stop - p.start
+        if t is None:
+            parts.append(tf.zeros([size], tf.float32))
+        else:
+            if isinstance(t, tf.IndexedSlices):
+                t = tf.convert_to_tensor(t)
+            parts.append(tf.cast(tf.reshape(t, [-1])[p.start:p.stop], tf.float32))
+        position += size
+    if position < layout.shard_size:
+        parts.append(tf.zeros([layout.shard_size - position], tf.float32))
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)

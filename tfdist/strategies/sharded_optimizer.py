@@ -1,0 +1,462 @@
+"""Data parallelism with the optimizer state split across replicas (ZeRO stages 1 and 2).
+
+Plain data parallelism keeps a full copy of the optimizer state on every
+replica: Adam's two float32 slots are 8 bytes per parameter on each device.
+Here each replica owns one even, contiguous 1/N slice of the flattened
+trainable parameters (`tfdist.sharding.FlatLayout`) and keeps the optimizer
+state of that slice only (Rajbhandari et al., "ZeRO", 2020).
+
+One step, per replica:
+
+1. local gradients (the step engine's phase 1);
+2. reduction to the replica's slice: stage 1 all-reduces the gradients and
+   keeps its slice; stage 2 reduce-scatters the flattened gradient
+   (`tfdist.collectives.reduce_scatter_sum`), so after reduction a replica
+   holds only its gradient slice;
+3. the engine's `finish` on the slice (normalise, unscale, clip — clipping
+   norms are summed across slices, so `clipnorm` and `global_clipnorm` match
+   one device);
+4. the optimizer's own `update_step` on the slice, with its state for the
+   slice only; weight decay, learning-rate schedules and EMA as in Keras;
+5. all-gather of the updated slices into the replicated model variables.
+
+The model's optimizer is the user's Keras optimizer, unchanged in class and
+config; it is built on one flat per-replica variable instead of the model's
+variables, and it saves and loads a canonical (unsharded) state, the one a
+single-device optimizer would save, so checkpoints move freely between this
+strategy, mirrored, one device and other replica counts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import collectives
+from tfdist import keras_integration as ki
+from tfdist import options as options_lib
+from tfdist.engine.paths import register_gradient_path
+from tfdist.sharding import FlatLayout, gather_shard
+from tfdist.strategies.mirrored import MirroredStrategy
+
+STAGE = options_lib.Option(
+    name="stage",
+    default=1,
+    types=(int,),
+    expected="1 or 2",
+    doc=(
+        "ZeRO stage: 1 shards the optimizer state; 2 also reduce-scatters the "
+        "gradients so each replica keeps only its slice."
+    ),
+    check=lambda v: v in (1, 2),
+)
+
+# Optimizers whose update needs whole-tensor quantities a slice does not have.
+_WHOLE_TENSOR_OPTIMIZERS = {
+    "Lamb": "its trust ratio needs each variable's whole weight and update norms",
+    "Adafactor": "its factored second moments need each variable's whole rows and columns",
+    "Muon": "it orthogonalises each variable's whole update matrix",
+}
+
+_TF_KERAS_MESSAGE = (
+    "tf-keras models cannot be trained under the 'sharded_optimizer' strategy: tf-keras "
+    "runs its own distributed step and would keep a full optimizer state on every replica. "
+    "Use Keras 3 (`import keras`), or tfdist.get_strategy('mirrored') with tf-keras."
+)
+
+
+class ShardedOptimizerStrategy(MirroredStrategy):
+    """Splits the optimizer state (stage 1) and the gradients (stage 2) across replicas.
+
+    Parameters stay replicated on every device, as under mirrored; each
+    replica keeps the optimizer state of an even 1/N slice of the flattened
+    parameters, updates only that slice, and the slices are all-gathered back
+    into the replicated weights after every step. Any Keras 3 optimizer whose
+    update is per element works unchanged (SGD with momentum, Adam, AdamW,
+    RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl).
+
+    Args:
+        stage: int, 1 or 2. 1 all-reduces the gradients and each replica keeps
+            its slice; 2 reduce-scatters them so each replica only ever holds
+            its gradient slice after reduction. Default 1.
+        devices: Optional list of device strings. Default: every local GPU,
+            else every logical CPU device.
+        **options: step options (see `tfdist.options.STEP_OPTIONS`).
+
+    Raises:
+        ValueError: `stage` is not 1 or 2.
+
+    Example:
+
+    ```python
+    strategy = tfdist.get_strategy("sharded_optimizer", stage=2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=64)
+    tfdist.memory_report(model)   # optimizer state: 1/N per device
+    ```
+    """
+
+    name = "sharded_optimizer"
+    PARAMS = {"stage": STAGE, "devices": options_lib.DEVICES}
+    gradient_path = "sharded_optimizer"
+
+    def __init__(self, stage: int = 1, devices: Optional[Sequence[str]] = None, **options):
+        if isinstance(stage, bool) or stage not in (1, 2):
+            raise ValueError(f"Argument 'stage' must be 1 or 2. Received: stage={stage!r}")
+        super().__init__(devices=devices, stage=stage, **options)
+        self.stage = stage
+        ki.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
+
+    @classmethod
+    def demo_kwargs(cls):
+        return {"stage": 2}
+
+    def on_compile(self, model) -> None:
+        """Checks the compiled optimizer and makes it build and save sharded state."""
+        optimizer = model.optimizer
+        if optimizer is None:
+            return
+        if ki.is_loss_scale_optimizer(optimizer):
+            raise NotImplementedError(
+                "LossScaleOptimizer (mixed_float16 dynamic loss scaling) is not supported by "
+                "the 'sharded_optimizer' strategy: its inf/nan check would see only one "
+                "replica's gradient slice. Use mixed_bfloat16 or float32, or the mirrored strategy."
+            )
+        reason = _WHOLE_TENSOR_OPTIMIZERS.get(type(optimizer).__name__)
+        if reason:
+            raise NotImplementedError(
+                f"Optimizer {type(optimizer).__name__} is not supported by the 'sharded_optimizer' "
+                f"strategy: {reason}, and each replica holds only a flat slice. Use the mirrored "
+                "strategy, or an optimizer with per-element state (Adam, AdamW, SGD, Lion, ...)."
+            )
+        if ki.keras_accumulation_steps(optimizer):
+            raise NotImplementedError(
+                "Optimizer(gradient_accumulation_steps=...) is not supported by the "
+                "'sharded_optimizer' strategy. Use the strategy option accumulation_steps=... instead."
+            )
+        if ki.has_custom_train_step(model):
+            raise NotImplementedError(
+                f"A custom train_step ({type(model).__name__}.train_step) is not supported by the "
+                "'sharded_optimizer' strategy: it would call optimizer.apply with the model's "
+                "variables, but the optimizer holds state for one slice of them per replica. "
+                "Drop the custom train_step or use the mirrored strategy."
+            )
+        if ki.sharded_state(optimizer) is not None:
+            return
+        if optimizer.built:
+            raise ValueError(
+                f"The optimizer {optimizer.name!r} was already built (it holds full state for "
+                f"{len(optimizer.variables)} variables), so it cannot be sharded. Pass a new, "
+                "unbuilt optimizer to model.compile() under the 'sharded_optimizer' strategy."
+            )
+        ki.install_sharded_optimizer(optimizer, ShardedState(self, optimizer))
+
+
+class ShardedState:
+    """The sharded side of one Keras optimizer: layout, flat slice variable, canonical state.
+
+    Created by `ShardedOptimizerStrategy.on_compile`; its methods are
+    installed on the optimizer instance (`keras_integration.install_sharded_optimizer`).
+
+    Attributes:
+        layout: the `FlatLayout` of the model's trainable variables.
+        flat: the per-replica float32 slice (a mirrored variable whose copy on
+            replica `r` holds slice `r`); the optimizer's only variable.
+        variables: the model's trainable variables, in layout order.
+        gradient_buffer_bytes: bytes of reduced gradient each replica's step
+            materialises, recorded when the step is traced.
+    """
+
+    def __init__(self, strategy: ShardedOptimizerStrategy, optimizer):
+        self.strategy = strategy
+        self.optimizer = optimizer
+        self.layout: Optional[FlatLayout] = None
+        self.flat = None
+        self.variables: list = []
+        self.entries: list = []
+        self.slots: dict = {}
+        self.decay: Optional[list] = None
+        self.gradient_buffer_bytes: Optional[int] = None
+
+    # Hooks installed on the optimizer ---------------------------------------
+    def build(self, variables) -> None:
+        optimizer = self.optimizer
+        if optimizer.built:
+            return
+        variables = list(variables)
+        bad = [v for v in variables if tf.as_dtype(v.dtype) != tf.float32]
+        if bad:
+            raise NotImplementedError(
+                f"The 'sharded_optimizer' strategy trains float32 variables; {bad[0].path!r} is "
+                f"{bad[0].dtype}. Keep variables in float32 (mixed precision policies such as "
+                "'mixed_bfloat16' already do)."
+            )
+        self.variables = variables
+        self.layout = FlatLayout.for_variables(variables, self.strategy.num_replicas_in_sync)
+        with self.strategy.scope():
+            self.flat = keras.Variable(
+                initializer="zeros",
+                shape=(self.layout.shard_size,),
+                dtype="float32",
+                trainable=False,
+                name="tfdist_parameter_shard",
+            )
+            ki.build_optimizer(optimizer, [self.flat])
+            self.entries, self.slots = ki.canonical_optimizer_layout(optimizer, self.flat, len(variables))
+        if optimizer.weight_decay is not None:
+            self.decay = [ki.uses_weight_decay(optimizer, v) for v in variables]
+        self._checkpoint_children = None
+
+    def _clip_gradients(self, grads: list) -> list:
+        """The optimizer's clipping on gradient slices, with norms summed across replicas.
+
+        Runs in replica context (the engine's `finish`), on `[slice]`.
+        """
+        optimizer = self.optimizer
+        (g,) = grads
+        if optimizer.clipnorm and optimizer.clipnorm > 0:
+            ctx = tf.distribute.get_replica_context()
+            replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+            ids = self.layout.segment_ids(replica)
+            squares = tf.math.unsorted_segment_sum(tf.square(g), ids, len(self.variables) + 1)
+            squares = ctx.all_reduce(tf.distribute.ReduceOp.SUM, squares)
+            l2sum = tf.gather(squares, ids)
+            # Keras's `_clip_by_norm`, per variable.
+            pred = l2sum > 0
+            l2norm = tf.where(pred, tf.sqrt(tf.where(pred, l2sum, tf.ones_like(l2sum))), l2sum)
+            clip = tf.cast(optimizer.clipnorm, g.dtype)
+            return [g * clip / tf.maximum(l2norm, clip)]
+        if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
+            ctx = tf.distribute.get_replica_context()
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.reduce_sum(tf.square(g)))
+            norm = tf.sqrt(total)
+            clip = tf.cast(optimizer.global_clipnorm, g.dtype)
+            # Keras's `clip_by_global_norm`, NaN-propagating.
+            scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+            return [g * scale]
+        if optimizer.clipvalue and optimizer.clipvalue > 0:
+            v = tf.cast(optimizer.clipvalue, g.dtype)
+            return [tf.clip_by_value(g, -v, v)]
+        return [g]
+
+    def finalize_variable_values(self, var_list) -> None:
+        """At the end of `fit` with `use_ema`: the model takes the averaged weights."""
+        if not self.optimizer.use_ema or self.layout is None:
+            return
+        average = ki.ema_average(self.optimizer)
+        self._assign_model_variables(self._gather_eager(average))
+
+    def save_own_variables(self, store) -> None:
+        """Keras `.keras` / `.weights.h5`: the single-device optimizer's variables, in its order."""
+        for i, value in enumerate(self.canonical_values()):
+            store[str(i)] = value
+
+    def load_own_variables(self, store) -> None:
+        """Loads a single-device-layout optimizer state, resharding it onto this replica count."""
+        if self.layout is None:
+            raise ValueError(
+                f"The optimizer {self.optimizer.name!r} of a 'sharded_optimizer' model is not "
+                "built yet, so it cannot load state. Build the model and call "
+                "model.optimizer.build(model.trainable_variables) first (fit does)."
+            )
+        self.load_canonical_values([store[str(i)] for i in range(len(store.keys()))])
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs) -> dict:
+        """tf.train.Checkpoint: the children a single-device Keras optimizer has."""
+        children = ki.class_trackable_children(self.optimizer, save_type, **kwargs)
+        if self.layout is None:
+            return children
+        if self._checkpoint_children is None:
+            self._checkpoint_children = self._canonical_children()
+        children.update(self._checkpoint_children)
+        return children
+
+    # Canonical state -------------------------------------------------------
+    def canonical_shapes(self) -> list[tuple[int, ...]]:
+        return [
+            self.layout.shapes[e[2]] if e[0] == "slot" else tuple(e[1].shape) for e in self.entries
+        ]
+
+    def _components(self, variable) -> list:
+        return list(self.strategy.experimental_local_results(ki._tf_variable(variable)))
+
+    def _gather_eager(self, variable) -> np.ndarray:
+        return np.concatenate([np.asarray(c.numpy()) for c in self._components(variable)])
+
+    def canonical_values(self) -> list[np.ndarray]:
+        """The optimizer state as a single-device optimizer holds it (numpy, in its order)."""
+        gathered = {}
+        values = []
+        for entry in self.entries:
+            if entry[0] == "plain":
+                values.append(np.asarray(entry[1].numpy()))
+                continue
+            _, slot, index = entry
+            if slot not in gathered:
+                gathered[slot] = self.layout.unflatten_numpy(self._gather_eager(self.slots[slot]))
+            values.append(gathered[slot][index])
+        return values
+
+    def load_canonical_values(self, values: Sequence) -> None:
+        """Validates every value against this model, then writes them; nothing changes on error."""
+        expected = self.canonical_shapes()
+        if len(values) != len(expected):
+            raise ValueError(
+                f"The checkpoint holds {len(values)} optimizer variables; this model's "
+                f"{type(self.optimizer).__name__} has {len(expected)} (for "
+                f"{len(self.variables)} trainable variables). The checkpoint belongs to a "
+                "different model or optimizer. Nothing was loaded."
+            )
+        for i, (value, shape) in enumerate(zip(values, expected)):
+            if tuple(np.shape(value)) != tuple(shape):
+                raise ValueError(
+                    f"Optimizer variable {i} in the checkpoint has shape {tuple(np.shape(value))}; "
+                    f"this model needs {tuple(shape)}. The checkpoint belongs to a different model "
+                    "or optimizer. Nothing was loaded."
+                )
+        per_slot: dict = {}
+        for entry, value in zip(self.entries, values):
+            if entry[0] == "plain":
+                entry[1].assign(value)
+            else:
+                per_slot.setdefault(entry[1], [None] * len(self.variables))[entry[2]] = value
+        for slot, arrays in per_slot.items():
+            self._scatter_eager(self.slots[slot], self.layout.flatten_numpy(arrays))
+
+    def _scatter_eager(self, variable, flat: np.ndarray) -> None:
+        size = self.layout.shard_size
+        for r, component in enumerate(self._components(variable)):
+            with tf.device(component.device):
+                component.assign(flat[r * size:(r + 1) * size])
+
+    def _canonical_children(self) -> dict:
+        def value_of(slot, index):
+            def read():
+                comps = self._components(self.slots[slot])
+                with tf.device("/cpu:0"):
+                    flat = tf.concat([tf.convert_to_tensor(c) for c in comps], axis=0)
+                    offset, size = self.layout.offsets[index], self.layout.sizes[index]
+                    return tf.reshape(flat[offset:offset + size], self.layout.shapes[index])
+
+            def write(value):
+                # One slot variable's piece: rewrite the slices that cover it.
+                comps = self._components(self.slots[slot])
+                flat = self._gather_eager(self.slots[slot])
+                offset, size = self.layout.offsets[index], self.layout.sizes[index]
+                flat[offset:offset + size] = np.asarray(value).reshape(-1)
+                self._scatter_eager(self.slots[slot], flat)
+                return comps[0].op if hasattr(comps[0], "op") else None
+
+            return ki.canonical_checkpoint_value(read, write, self.layout.shapes[index], tf.float32)
+
+        canonical = []
+        by_slot: dict = {}
+        for entry in self.entries:
+            if entry[0] == "plain":
+                canonical.append(entry[1])
+            else:
+                value = value_of(entry[1], entry[2])
+                canonical.append(value)
+                by_slot.setdefault(entry[1], []).append(value)
+        children = {
+            "_variables": ki.trackable_list(canonical),
+            "_trainable_variables": ki.trackable_list(self.variables),
+        }
+        for attribute, slot in _SLOT_ATTRIBUTES.items():
+            if slot in by_slot and attribute in ki.class_trackable_children(self.optimizer, "checkpoint"):
+                children[attribute] = ki.trackable_list(by_slot[slot])
+        return children
+
+    # The step ----------------------------------------------------------------
+    def reduce(self, step, values: list) -> list:
+        """Replica context: `[weighted grads..., weight]` -> `[this replica's summed slice, total weight]`."""
+        ctx = tf.distribute.get_replica_context()
+        replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+        bucket_bytes = step.options.bucket_bytes
+        if self.strategy.stage == 1:
+            summed = collectives.all_reduce_sum(values, bucket_bytes)
+            held = sum(
+                int(np.prod(g.shape)) * 4 for g in summed[:-1] if g is not None
+            )
+            shard = gather_shard(self.layout, summed[:-1], replica)
+            total = summed[-1]
+        else:
+            flat = self.layout.flatten(values[:-1])
+            shard = collectives.reduce_scatter_sum(flat, self.layout, bucket_bytes)
+            # The fallback reduce-scatter all-reduces every chunk: the reduced
+            # outputs it materialises cover the whole flat vector.
+            held = int(flat.shape[0]) * 4
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values[-1])
+        self.gradient_buffer_bytes = held
+        return [shard, total]
+
+    def apply(self, grads: list) -> None:
+        """Cross-replica context: update every slice, then all-gather into the model."""
+        strategy, layout = self.strategy, self.layout
+        variables = [ki._tf_variable(v) for v in self.variables]
+
+        # The model variables are the truth (set_weights, load_weights and
+        # checkpoints write them): each replica's slice starts from them.
+        def refresh(v):
+            return v.assign(gather_shard(layout, [tf.convert_to_tensor(x) for x in variables], ki.update_replica_id()))
+
+        flat = ki._tf_variable(self.flat)
+        strategy.extended.update(flat, refresh, group=False)
+
+        def decay_mask(replica):
+            return layout.mask(replica, self.decay) if self.decay is not None else None
+
+        (g,) = grads
+        ki.apply_sharded_update(self.optimizer, g, self.flat, decay_mask)
+        self._all_gather_into_model(self.flat)
+        ki.advance_iterations(self.optimizer)
+
+    def _all_gather_into_model(self, source) -> None:
+        strategy = self.strategy
+        dtypes = [v.dtype for v in self.variables]
+        constraints = [v.constraint for v in self.variables]
+
+        def gather():
+            full = collectives.all_gather_shards(tf.convert_to_tensor(ki._tf_variable(source)))
+            values = self.layout.unflatten(full, dtypes)
+            return [c(t) if c is not None else t for c, t in zip(constraints, values)]
+
+        values = strategy.run(gather)
+        for v, value in zip(self.variables, values):
+            strategy.extended.update(
+                ki._tf_variable(v), lambda x, t: x.assign(t), args=(value,), group=False
+            )
+
+    def _assign_model_variables(self, flat: np.ndarray) -> None:
+        for v, value in zip(self.variables, self.layout.unflatten_numpy(flat)):
+            v.assign(value)
+
+
+# Keras optimizers keep some slot lists as attributes (checkpointed by name).
+_SLOT_ATTRIBUTES = {
+    "_momentums": "momentum",
+    "_velocities": "velocity",
+    "_velocity_hats": "velocity_hat",
+    "_accumulators": "accumulator",
+    "_average_gradients": "average_gradient",
+    "_model_variables_moving_average": "average",
+}
+
+
+def sharded_optimizer_path(step, data) -> None:
+    """The gradient path of `ShardedOptimizerStrategy`: reduce to slices, update slices, all-gather."""
+    state = ki.sharded_state(step.optimizer)
+
+    def replica_fn(batch):
+        return step.finish(state.reduce(step, step.local_gradients(batch)))
+
+    grads = step.strategy.run(replica_fn, args=(data,))
+    step.apply(grads, update_fn=state.apply)
+
+
+register_gradient_path("sharded_optimizer", sharded_optimizer_path)
