@@ -719,7 +719,7 @@ def install_parameter_server_fit() -> None:
     for method in ("fit", "evaluate", "predict"):
         _originals[f"ps_{method}"] = trainer.__dict__[method]
         setattr(trainer, method, _patched_ps(_originals[f"ps_{method}"], method))
-    read_sharded_variables_as_arrays()
+    patch_variables_for_parameter_servers()
 
 
 def uninstall_parameter_server_fit() -> None:
@@ -732,8 +732,8 @@ def uninstall_parameter_server_fit() -> None:
     if "variable_numpy" in _originals:
         from keras.src.backend.tensorflow.core import Variable
 
-        Variable.numpy = _originals.pop("variable_numpy")
-        Variable.__array__ = _originals.pop("variable_array")
+        for name in ("numpy", "__array__", "assign_add", "assign_sub"):
+            setattr(Variable, name, _originals.pop(f"variable_{name}"))
 
 
 def symbolic_build(model, data_batch) -> None:
@@ -796,7 +796,7 @@ def apply_update_unsynchronized(optimizer, grads: Sequence, variables: Sequence)
     for _, v in pairs:
         if v.constraint is not None:
             v.assign(v.constraint(v))
-    optimizer._iterations.assign_add(1)
+    _tf_variable(optimizer._iterations).assign_add(1)
 
 
 def colocate_slots_with_shards(strategy) -> None:
@@ -839,21 +839,37 @@ def colocate_slots_with_shards(strategy) -> None:
     extended._create_variable = create_variable
 
 
-def read_sharded_variables_as_arrays() -> None:
-    """Lets Keras read a partitioned variable as one array (`get_weights`, `model.save`); idempotent.
+def patch_variables_for_parameter_servers() -> None:
+    """Makes Keras variables held on ps tasks readable as arrays and safe to update concurrently.
 
-    Upstream: Keras 3's TensorFlow `Variable.numpy()` and `__array__` call the
-    same methods of the `tf.Variable` they wrap, which a `ShardedVariable` lacks
-    ("'ShardedVariable' object has no attribute '__array__'"), so `model.save`
-    fails for a model with a partitioned variable. A sharded value is read by
-    concatenating its shards; every other variable reads as before.
+    Two upstream behaviours of Keras 3's TensorFlow `Variable` (idempotent;
+    other variables behave exactly as before):
+
+    * `numpy()` and `__array__` call the same methods of the wrapped
+      `tf.Variable`, which a `ShardedVariable` lacks ("'ShardedVariable' object
+      has no attribute '__array__'"), so `get_weights` and `model.save` fail
+      for a partitioned model. A sharded value is read by concatenating its
+      shards.
+    * `assign_add` is `assign(self + value)` (keras/src/backend/common/
+      variables.py): a read, then a write. Workers of a parameter-server job
+      update the same variables concurrently, so increments interleave and are
+      lost: the optimizer's iteration count ended at 176 instead of 188 after
+      4 epochs of 47 steps on 2 workers, and metric totals lose steps alike.
+      A variable on a ps task is incremented with TensorFlow's own
+      `assign_add`, one atomic op on the ps.
     """
     if "variable_numpy" in _originals:
         return
+    from keras.src.backend.common.variables import in_stateless_scope
     from keras.src.backend.tensorflow.core import Variable
+    from tensorflow.python.distribute.ps_values import CachingVariable
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-    _originals["variable_numpy"] = Variable.numpy
-    _originals["variable_array"] = Variable.__array__
+    for name in ("numpy", "__array__", "assign_add", "assign_sub"):
+        _originals[f"variable_{name}"] = getattr(Variable, name)
+
+    def on_ps(variable) -> bool:
+        return isinstance(variable._value, (CachingVariable, ShardedVariable)) and not in_stateless_scope()
 
     def numpy(self):
         if is_sharded(self):
@@ -865,10 +881,22 @@ def read_sharded_variables_as_arrays() -> None:
             import numpy as np
 
             return np.asarray(tf.convert_to_tensor(self.value).numpy(), dtype=dtype)
-        return _originals["variable_array"](self, dtype)
+        return _originals["variable___array__"](self, dtype)
+
+    def assign_add(self, value):
+        if on_ps(self):
+            return self._value.assign_add(tf.cast(value, self._value.dtype))
+        return _originals["variable_assign_add"](self, value)
+
+    def assign_sub(self, value):
+        if on_ps(self):
+            return self._value.assign_sub(tf.cast(value, self._value.dtype))
+        return _originals["variable_assign_sub"](self, value)
 
     Variable.numpy = numpy
     Variable.__array__ = __array__
+    Variable.assign_add = assign_add
+    Variable.assign_sub = assign_sub
 
 
 # ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ def register(cls: type) -> type:
 
 for _cls in (strategies.MirroredStrategy, strategies.CentralStorageStrategy):
     register(_cls)
+register(strategies.ParameterServerStrategy)
 
 
 def strategy_names() -> list[str]:

@@ -3,10 +3,12 @@
 from tfdist.strategies.base import TfdistStrategy, is_tfdist_strategy
 from tfdist.strategies.central_storage import CentralStorageStrategy
 from tfdist.strategies.mirrored import MirroredStrategy
+from tfdist.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = [
     "CentralStorageStrategy",
     "MirroredStrategy",
+    "ParameterServerStrategy",
     "TfdistStrategy",
     "is_tfdist_strategy",
 ]
