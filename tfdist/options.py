@@ -123,6 +123,39 @@ STEP_OPTIONS: dict[str, Option] = {
             env="TFDIST_BUCKET_BYTES",
         ),
         Option(
+            name="accumulation_steps",
+            default=1,
+            types=(int,),
+            expected="an integer >= 1 (micro-batches per optimizer step; 1 turns accumulation off)",
+            doc=(
+                "Gradient accumulation: sum the gradients of this many micro-batches on "
+                "each replica and communicate and update once, on the last one."
+            ),
+            check=_accumulation_steps,
+        ),
+        Option(
+            name="precision",
+            default="float32",
+            types=(str,),
+            expected="one of 'float32', 'mixed_float16', 'mixed_bfloat16'",
+            doc=(
+                "Keras dtype policy of the layers built in the strategy's scope; "
+                "variables stay float32; 'mixed_float16' adds dynamic loss scaling. "
+                "'float32' defers to keras.config.dtype_policy()."
+            ),
+            check=lambda v: v in ("float32", "mixed_float16", "mixed_bfloat16"),
+        ),
+        Option(
+            name="jit_compile",
+            default=False,
+            types=(bool,),
+            expected="True or False",
+            doc=(
+                "Compile each replica's forward and backward pass with XLA (as "
+                "model.compile(jit_compile=True)); collectives stay outside XLA."
+            ),
+        ),
+        Option(
             name="sink_size",
             default=None,
             types=(int, str),

@@ -6,6 +6,14 @@ strategy's scope, and performs phase 2 (reduction) and the update of one
 training step (see `tfdist.engine.step`). Strategies with a path of their own
 (e.g. the sharded optimizer's reduce-scatter) register it here with
 `register_gradient_path` from their own module.
+
+A path gets every step feature by using the step's phases rather than
+re-implementing them: `step.local_gradients(batch)` in replica context
+(forward/backward, XLA, accumulated micro-batches), `step.finish(summed)` on
+the summed `[grads..., weight]` (normalise, unscale, clip), and
+`step.apply(grads, update_fn=None)` in cross-replica context (the update,
+skipped on inf/nan under loss scaling). Accumulation wraps the whole path: it
+only runs on the last micro-step of each window.
 """
 
 from __future__ import annotations
@@ -15,7 +23,6 @@ from typing import Callable
 import tensorflow as tf
 
 from tfdist import collectives
-from tfdist import keras_integration as ki
 
 GradientPath = Callable[["object", object], None]
 _PATHS: dict[str, GradientPath] = {}
@@ -40,7 +47,7 @@ def all_reduce(step, data) -> None:
         return step.finish(summed)
 
     grads = step.strategy.run(replica_fn, args=(data,))
-    ki.apply_update(step.optimizer, grads, step.model.trainable_variables)
+    step.apply(grads)
 
 
 def reduce_to_variables(step, data) -> None:
@@ -58,7 +65,7 @@ def reduce_to_variables(step, data) -> None:
     summed = collectives.reduce_to_device(step.strategy, packed, plans[0], destination)
     with tf.device(destination):
         grads = step.finish(summed)
-    ki.apply_update(step.optimizer, grads, step.model.trainable_variables)
+    step.apply(grads)
 
 
 register_gradient_path("all_reduce", all_reduce)

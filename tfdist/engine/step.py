@@ -1,25 +1,36 @@
 """One synchronous training step, the same for every synchronous strategy.
 
-A step has three phases, each a small function with explicit inputs:
+A step has four phases, each a small function with explicit inputs:
 
 1. `local_gradients` (replica context): forward and backward pass on the
-   replica's share of the global batch. Gradients are weighted by the
-   replica's batch size, so that the sum over replicas divided by the global
-   batch size is exactly the single-device gradient, even when the global
-   batch does not split evenly (the last batch of an epoch).
-2. reduction and update: the strategy's gradient path (`tfdist.engine.paths`)
-   sums gradients and weights across replicas in fused buffers
+   replica's share of the global batch (compiled with XLA when asked; any
+   collective in the forward pass, such as synchronized BatchNorm's, stays
+   outside XLA). Gradients are weighted by the replica's batch size, so that
+   the sum over replicas divided by the global batch size is exactly the
+   single-device gradient, even when the global batch does not split evenly.
+   With accumulation, the replica's accumulated micro-batches are added here.
+2. reduction: the strategy's gradient path (`tfdist.engine.paths`) sums
+   gradients and weights across replicas in fused buffers
    (`tfdist.collectives`) — all-reduce, reduce to the variables' device, or a
-   path a strategy registers — calls `finish` and applies the update.
-3. `finish`: divide by the global batch size, undo a static loss scale, clip
-   (so `global_clipnorm` sees the whole gradient).
+   path a strategy registers.
+3. `finish`: the reduced chain of `tfdist.engine.transforms`: divide by the
+   global batch size, undo the loss scale, clip (so `global_clipnorm` sees
+   the whole gradient).
+4. `apply`: the optimizer update, gated by dynamic loss scaling (skipped on
+   every replica when any replica saw inf or nan).
+
+Accumulation decides, per micro-step and in cross-replica context, whether a
+step runs phases 2–4 or only adds to the accumulators (`__call__`).
 """
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import tensorflow as tf
 
 from tfdist import keras_integration as ki
+from tfdist.engine import transforms as T
 
 
 def _first_batch_dim(x) -> tf.Tensor:
@@ -39,16 +50,16 @@ def _scale(g, factor):
     return tf.math.multiply_no_nan(g, tf.cast(factor, g.dtype))
 
 
-def _divide(g, denominator):
-    if g is None:
-        return None
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.math.divide_no_nan(g.values, tf.cast(denominator, g.values.dtype)),
-            g.indices,
-            g.dense_shape,
-        )
-    return tf.math.divide_no_nan(g, tf.cast(denominator, g.dtype))
+def accumulation_steps(model) -> int:
+    """Micro-batches per optimizer step: the `accumulation_steps` option or Keras's own."""
+    option = model.distribute_strategy.options.accumulation_steps
+    keras_steps = ki.keras_accumulation_steps(model.optimizer)
+    return keras_steps or option
+
+
+def uses_xla(model) -> bool:
+    """`jit_compile=True` as a step option or in `model.compile`."""
+    return bool(model.distribute_strategy.options.jit_compile or model.jit_compile is True)
 
 
 class TrainStep:
@@ -58,7 +69,7 @@ class TrainStep:
         model: a Keras model built and compiled in a tfdist strategy's scope.
 
     Call it in cross-replica context (inside the host-call loop) with one
-    distributed batch.
+    distributed batch. Built eagerly (it creates the accumulators).
     """
 
     def __init__(self, model):
@@ -66,38 +77,110 @@ class TrainStep:
         self.strategy = model.distribute_strategy
         self.options = self.strategy.options
         self.optimizer = model.optimizer
+        self.jit_compile = uses_xla(model)
+        # The optimizer whose update rule runs: a LossScaleOptimizer's inner one.
+        self.update_optimizer = ki.inner_optimizer(self.optimizer)
+        self.loss_scale = T.dynamic_loss_scale(self.optimizer)
+        self.reduced = T.compose(
+            T.normalize_by_weight(),
+            T.unscale_static(self.update_optimizer),
+            self.loss_scale,
+            T.clip_by_optimizer(self.update_optimizer),
+        )
+        k = accumulation_steps(model)
+        self.accumulation: Optional[T.Accumulate] = None
+        with self.strategy.scope():
+            if k > 1:
+                keras_counter = (
+                    ki.iterations_variable(self.update_optimizer)
+                    if ki.keras_accumulation_steps(self.optimizer)
+                    else None
+                )
+                self.accumulation = T.Accumulate(k, model.trainable_variables, keras_counter)
+            self.reduced.build()
+            if self.accumulation is not None:
+                self.accumulation.build()
 
     # Phase 1 ---------------------------------------------------------------
-    def local_gradients(self, data) -> list:
-        """Replica context: `[weighted grads..., batch size]` for this replica."""
-        model, optimizer = self.model, self.optimizer
-        x, y, sample_weight = ki.unpack_data(data)
-        batch = _first_batch_dim(x)
+    def _forward_backward(self, x, y, sample_weight):
+        model = self.model
         with tf.GradientTape() as tape:
             y_pred = ki.call_model(model, x, training=True)
             loss = ki.compute_loss(model, x, y, y_pred, sample_weight, training=True)
-            ki.track_loss(model, loss, batch)
-            loss = optimizer.scale_loss(loss)
-        grads = tape.gradient(loss, model.trainable_variables)
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            scaled = self.loss_scale.scale_loss(loss) if self.loss_scale else loss
+            if self.update_optimizer.loss_scale_factor is not None:
+                scaled = scaled * self.update_optimizer.loss_scale_factor
+        grads = tape.gradient(scaled, model.trainable_variables)
+        return y_pred, loss, grads
+
+    def compute_gradients(self, data) -> list:
+        """Replica context: `[weighted grads..., batch size]` of this micro-batch."""
+        x, y, sample_weight = ki.unpack_data(data)
+        batch = _first_batch_dim(x)
+        if self.jit_compile:
+            with ki.xla_compiled_ops():
+                y_pred, loss, grads = self._forward_backward(x, y, sample_weight)
+        else:
+            y_pred, loss, grads = self._forward_backward(x, y, sample_weight)
+        ki.track_loss(self.model, loss, batch)
+        self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         # Keras divided the loss by the replica count; undo that and weight by
         # this replica's batch size instead (exact for uneven splits).
         weight = tf.cast(batch, tf.float32)
         factor = weight * float(self.strategy.num_replicas_in_sync)
         return [_scale(g, factor) for g in grads] + [weight]
 
+    def local_gradients(self, data) -> list:
+        """Replica context: `[weighted grads..., weight]` ready to reduce.
+
+        With accumulation, this is the last micro-step of a window: the
+        replica's accumulated micro-batches are included (and reset).
+        """
+        values = self.compute_gradients(data)
+        if self.accumulation is not None:
+            values = self.accumulation.update(values)
+        return values
+
     # Phase 3 ---------------------------------------------------------------
     def finish(self, summed: list) -> list:
-        """Turns summed weighted gradients into the gradient to apply."""
-        grads, total = summed[:-1], summed[-1]
-        grads = [_divide(g, total) for g in grads]
-        if self.optimizer.loss_scale_factor is not None:
-            grads = [_divide(g, self.optimizer.loss_scale_factor) for g in grads]
-        return ki.clip_gradients(self.optimizer, grads)
+        """Turns summed `[weighted grads..., weight]` into the gradient to apply."""
+        return self.reduced.update(list(summed))
 
-    # Phase 2 and the update: the strategy's gradient path ---------------------
+    # Phase 4 ---------------------------------------------------------------
+    def apply(self, grads: list, update_fn: Optional[Callable[[list], None]] = None) -> None:
+        """Cross-replica context: applies `grads`, or skips the step on inf/nan under loss scaling.
+
+        Args:
+            grads: the finished gradients (per-replica values or tensors).
+            update_fn: Optional callable `(grads) -> None` performing the
+                update; default: the optimizer's update of the trainable
+                variables (`keras_integration.apply_update`). A gradient path
+                that updates differently (e.g. per shard) passes its own and
+                still gets loss-scale gating.
+        """
+        if update_fn is None:
+
+            def update_fn(g):
+                ki.apply_update(self.update_optimizer, g, self.model.trainable_variables)
+
+        if self.loss_scale is None:
+            update_fn(grads)
+        else:
+            self.loss_scale.gate(grads, update_fn)
+
+    # The whole step --------------------------------------------------------
     def __call__(self, data) -> None:
         from tfdist.engine.paths import get_gradient_path
 
+        path = get_gradient_path(self.strategy.gradient_path)
         with self.strategy.scope():
-            get_gradient_path(self.strategy.gradient_path)(self, data)
+            if self.accumulation is None:
+                path(self, data)
+                return
+
+            def accumulate():
+                self.strategy.run(
+                    lambda batch: self.accumulation.add(self.compute_gradients(batch)), args=(data,)
+                )
+
+            self.accumulation.run(accumulate, lambda: path(self, data))
