@@ -66,11 +66,17 @@ def run_demo(
     split = int(len(x) * 0.8)
     train, test = (x[:split], y[:split]), (x[split:], y[split:])
     rows = []
-    for name, kwargs in demo_strategies():
-        if only and name not in only:
-            continue
-        strategy = registry.get_strategy(name, **kwargs)
-        print(f"\n== {name}: {strategy!r}")
+    runs = [("single device", None, None)] if not only else []
+    runs += [(name, name, kwargs) for name, kwargs in demo_strategies() if not only or name in only]
+    for label, name, kwargs in runs:
+        if name is None:
+            import tensorflow as tf
+
+            strategy = tf.distribute.get_strategy()
+            print(f"\n== {label}: the baseline, no strategy")
+        else:
+            strategy = registry.get_strategy(name, **kwargs)
+            print(f"\n== {name}: {strategy!r}")
         with strategy.scope():
             model = _build_model(keras, seed=0)
         timer = _EpochTimer(keras)
@@ -85,7 +91,7 @@ def run_demo(
         loss, accuracy = model.evaluate(*test, batch_size=batch_size, verbose=0)
         rows.append(
             {
-                "strategy": name,
+                "strategy": label,
                 "replicas": strategy.num_replicas_in_sync,
                 "loss": float(loss),
                 "accuracy": float(accuracy),
