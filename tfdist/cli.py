@@ -63,6 +63,25 @@ SUBCOMMANDS["demo"] = (
 )
 
 
+def _launch_arguments(p: argparse.ArgumentParser) -> None:
+    from tfdist import launch
+
+    launch.add_arguments(p)
+
+
+def _launch_run(args: argparse.Namespace) -> int:
+    from tfdist import launch
+
+    return launch.main(args)
+
+
+SUBCOMMANDS["launch"] = (
+    _launch_arguments,
+    _launch_run,
+    "run every process of a multi-worker job on this machine (TF_CONFIG per process)",
+)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="tfdist", description="Distribution strategies for Keras 3 and TensorFlow.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

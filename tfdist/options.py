@@ -204,6 +204,44 @@ DEVICES = Option(
 )
 
 
+# Communication of the synchronous strategies that cross processes (multi_worker
+# today; mirrored can adopt them for its cross-device ops).
+COMMUNICATION_IMPLEMENTATIONS = ("auto", "ring", "nccl")
+COMMUNICATION = Option(
+    name="communication",
+    default="auto",
+    types=(str,),
+    expected=f"one of {', '.join(repr(c) for c in COMMUNICATION_IMPLEMENTATIONS)}",
+    doc=(
+        "Collective implementation: 'ring' (gRPC ring, CPU or GPU), 'nccl' (GPUs only) or "
+        "'auto' (TensorFlow picks: NCCL on GPUs, ring otherwise)."
+    ),
+    check=lambda v: v in COMMUNICATION_IMPLEMENTATIONS,
+)
+COLLECTIVE_TIMEOUT = Option(
+    name="collective_timeout",
+    default=None,
+    types=(int, float),
+    expected="a number of seconds > 0, or None for no timeout",
+    doc=(
+        "Seconds a collective (all-reduce, broadcast) may wait for its peers before it fails with "
+        "DeadlineExceeded instead of hanging when a worker is gone; default no timeout."
+    ),
+    check=lambda v: v > 0,
+)
+DEVICES_PER_WORKER = Option(
+    name="devices_per_worker",
+    default=None,
+    types=(int,),
+    expected="an integer >= 1 (GPUs each worker trains on; 1 on CPU hosts)",
+    doc=(
+        "Replicas each worker contributes: that many of its GPUs; default every GPU of the "
+        "worker, or its CPU (one replica) when it has none."
+    ),
+    check=lambda v: v >= 1,
+)
+
+
 class TrainingOptions:
     """The validated step options a tfdist strategy carries into `model.fit`.
 

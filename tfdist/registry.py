@@ -30,7 +30,11 @@ def register(cls: type) -> type:
     return cls
 
 
-for _cls in (strategies.MirroredStrategy, strategies.CentralStorageStrategy):
+for _cls in (
+    strategies.MirroredStrategy,
+    strategies.CentralStorageStrategy,
+    strategies.MultiWorkerMirroredStrategy,
+):
     register(_cls)
 register(strategies.ParameterServerStrategy)
 

@@ -4,10 +4,12 @@ from tfdist.strategies.base import TfdistStrategy, is_tfdist_strategy
 from tfdist.strategies.central_storage import CentralStorageStrategy
 from tfdist.strategies.mirrored import MirroredStrategy
 from tfdist.strategies.parameter_server import ParameterServerStrategy
+from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
 __all__ = [
     "CentralStorageStrategy",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
     "TfdistStrategy",
     "is_tfdist_strategy",

@@ -1,0 +1,261 @@
+"""Multi-worker synchronous training (issue 4): real TensorFlow servers in separate processes.
+
+Each cluster test starts its job with `tfdist.launch.run_job` on free 127.0.0.1
+ports (tests/strategies/multi_worker_job.py is the script every process runs)
+and compares with a single-process run in this test process, which has 4
+logical CPU devices (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.child_processes import no_leftover_processes  # noqa: F401 (fixture)
+from tests.conftest import DEVICES, build_model, max_relative_difference
+from tests.strategies.parity import PARITY_RTOL
+from tfdist.cluster import ClusterConfigError
+from tfdist.launch import run_job
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multi_worker_job.py")
+# Generous: two cores shared with the rest of the suite.
+JOB_TIMEOUT_S = 240
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def run(out, *args, restarts=0):
+    return run_job([sys.executable, JOB, "--out", str(out), *args], workers=2, restarts=restarts,
+                   env=ENV, timeout=JOB_TIMEOUT_S)
+
+
+def results(out, task):
+    with open(os.path.join(out, f"{task}.json")) as f:
+        data = json.load(f)
+    weights = np.load(os.path.join(out, f"{task}.npz"))
+    return data, {k: weights[k] for k in weights.files}
+
+
+def group(weights, prefix):
+    return [weights[f"{prefix}_{i}"] for i in range(4)]
+
+
+def mirrored_reference(x, y, epochs, tf_data=False):
+    """The same model and global batch under single-process 2-replica mirrored."""
+    strategy = tfdist.get_strategy("mirrored", devices=DEVICES[2])
+    with strategy.scope():
+        model = build_model()
+    if tf_data:
+        history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=epochs, verbose=0)
+    else:
+        history = model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+    return model, history
+
+
+# ---------------------------------------------------------------------------
+# One 2-worker job, several checks.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_worker_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("multi_worker")
+    writers = out / "writers"
+    status = run(out, "--epochs", "2", "--writers", str(writers), "--tf-data", "--tf-keras")
+    return status, out, writers
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_two_workers_train_to_identical_weights_matching_mirrored(two_worker_job, digits):
+    status, out, _ = two_worker_job
+    assert status == 0
+    chief, chief_w = results(out, "worker0")
+    other, other_w = results(out, "worker1")
+    assert (chief["is_chief"], other["is_chief"]) == (True, False)
+    assert chief["replicas"] == other["replicas"] == 2
+    assert chief["iterations"] == other["iterations"] == 40
+    for key in chief_w:
+        np.testing.assert_array_equal(chief_w[key], other_w[key])
+    x, y = digits[0][:640], digits[1][:640]
+    reference, history = mirrored_reference(x, y, epochs=2)
+    assert max_relative_difference(reference.get_weights(), group(chief_w, "keras3")) < PARITY_RTOL
+    np.testing.assert_allclose(chief["history"]["loss"], history.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(chief["history"]["accuracy"], history.history["accuracy"], rtol=1e-6)
+    ref_eval = reference.evaluate(x, y, batch_size=50, verbose=0, return_dict=True)
+    assert chief["evaluate"]["accuracy"] == pytest.approx(ref_eval["accuracy"], abs=1e-7)
+    assert chief["evaluate"]["loss"] == pytest.approx(ref_eval["loss"], rel=1e-5)
+    np.testing.assert_allclose(chief["predict"], reference.predict(x[:101], verbose=0), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_tf_data_input_is_sharded_across_workers_and_matches_mirrored(two_worker_job, digits):
+    status, out, _ = two_worker_job
+    assert status == 0
+    _, chief_w = results(out, "worker0")
+    x, y = digits[0][:640], digits[1][:640]
+    reference, _ = mirrored_reference(x, y, epochs=1, tf_data=True)
+    assert max_relative_difference(reference.get_weights(), group(chief_w, "tfdata")) < PARITY_RTOL
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_tf_keras_fit_under_multi_worker_matches_mirrored(two_worker_job, digits):
+    import tf_keras
+
+    status, out, _ = two_worker_job
+    assert status == 0
+    chief, chief_w = results(out, "worker0")
+    _, other_w = results(out, "worker1")
+    for i in range(4):
+        np.testing.assert_array_equal(chief_w[f"tf_keras_{i}"], other_w[f"tf_keras_{i}"])
+    x, y = digits[0][:640], digits[1][:640]
+    strategy = tf.distribute.MirroredStrategy(DEVICES[2])
+    with strategy.scope():
+        tf_keras.utils.set_random_seed(0)
+        reference = tf_keras.Sequential(
+            [tf_keras.Input((64,)), tf_keras.layers.Dense(32, activation="relu"), tf_keras.layers.Dense(10)]
+        )
+        reference.compile(optimizer=tf_keras.optimizers.SGD(0.1),
+                          loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = reference.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=1, verbose=0)
+    assert max_relative_difference(reference.get_weights(), group(chief_w, "tf_keras")) < PARITY_RTOL
+    np.testing.assert_allclose(chief["tf_keras_loss"], history.history["loss"], rtol=1e-5)
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_only_the_chief_writes_checkpoints_and_summaries(two_worker_job):
+    # Both workers run ModelCheckpoint and TensorBoard; the non-chief's copies
+    # write to a temporary directory that is removed. Without tfdist's
+    # redirection each worker would write its own events file here.
+    status, _, writers = two_worker_job
+    assert status == 0
+    events = sorted(p for p in os.listdir(writers / "tb" / "train") if p.startswith("events.out"))
+    assert len(events) == 1
+    assert sorted(os.listdir(writers)) == ["ckpt.weights.h5", "tb"]
+
+
+# ---------------------------------------------------------------------------
+# Fault tolerance: a worker killed mid-epoch, the job restarted.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_killed_worker_job_restarts_and_resumes_from_backup(tmp_path, digits):
+    epochs, steps = 4, 20
+    backup = tmp_path / "backup"
+    status = run(tmp_path, "--epochs", str(epochs), "--backup-dir", str(backup),
+                 "--crash-epoch", "2", "--crash-batch", "5", restarts=1)
+    assert status == 0
+    finished = [tuple(map(int, line.split())) for line in (tmp_path / "epochs.log").read_text().splitlines()]
+    # (attempt, epoch): epochs 0 and 1 done before the kill, 2 and 3 after the restart.
+    assert finished == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    batches = (tmp_path / "batches.log").read_text().splitlines()
+    repeated = len(batches) - epochs * steps
+    assert 0 < repeated <= steps  # at most one epoch's progress was done twice
+    chief, chief_w = results(tmp_path, "worker0")
+    _, other_w = results(tmp_path, "worker1")
+    assert chief["iterations"] == epochs * steps
+    for key in chief_w:
+        np.testing.assert_array_equal(chief_w[key], other_w[key])
+    # Weights as if never interrupted: nothing applied twice, nothing lost.
+    reference, _ = mirrored_reference(digits[0][:640], digits[1][:640], epochs=epochs)
+    assert max_relative_difference(reference.get_weights(), group(chief_w, "keras3")) < PARITY_RTOL
+
+
+# ---------------------------------------------------------------------------
+# In-process: options and cluster errors are raised before any server starts.
+# ---------------------------------------------------------------------------
+
+
+def test_bad_tf_config_fails_before_a_server_starts(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:1", "localhost:x"]}, '
+                                    '"task": {"type": "worker", "index": 0}}')
+    with pytest.raises(ClusterConfigError) as e:
+        tfdist.get_strategy("multi_worker")
+    assert str(e.value).startswith("TF_CONFIG: field 'cluster.worker[1]' has a port that is not a number: 'x'.")
+
+
+def test_ps_cluster_is_refused_with_the_fix():
+    config = {"cluster": {"worker": ["localhost:1"], "ps": ["localhost:2"]}, "task": {"type": "worker", "index": 0}}
+    with pytest.raises(ClusterConfigError) as e:
+        tfdist.get_strategy("multi_worker", cluster=config)
+    assert str(e.value) == (
+        "TF_CONFIG: field 'cluster.ps' lists 1 parameter server(s), but the multi_worker strategy has "
+        "none. Remove 'ps' from the cluster, or use tfdist.get_strategy('parameter_server')."
+    )
+
+
+def test_tf_config_required_when_asked_for(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ClusterConfigError, match="the environment variable TF_CONFIG is not set"):
+        tfdist.get_strategy("multi_worker", cluster="tf_config")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"communication": "mpi"},
+         "option 'communication' must be one of 'auto', 'ring', 'nccl'. Received: communication='mpi'"),
+        ({"collective_timeout": -1},
+         "option 'collective_timeout' must be a number of seconds > 0, or None for no timeout. "
+         "Received: collective_timeout=-1"),
+        ({"devices_per_worker": 0},
+         "option 'devices_per_worker' must be an integer >= 1 (GPUs each worker trains on; 1 on CPU "
+         "hosts). Received: devices_per_worker=0"),
+        ({"auto_shard": "rows"},
+         "option 'auto_shard' must be one of 'auto', 'file', 'data', 'off'. Received: auto_shard='rows'"),
+        ({"cluster": "kubernetes"},
+         "option 'cluster' must be 'tf_config' (read the TF_CONFIG environment variable), 'slurm' (this "
+         "Slurm job step), a TF_CONFIG dict, or a tfdist.cluster.ClusterConfig. Received: cluster='kubernetes'"),
+    ],
+)
+def test_bad_options_are_named(kwargs, message):
+    with pytest.raises(tfdist.OptionError) as e:
+        tfdist.get_strategy("multi_worker", **kwargs)
+    assert str(e.value) == message
+
+
+def test_more_devices_per_worker_than_a_cpu_host_has():
+    with pytest.raises(ValueError) as e:
+        tfdist.get_strategy("multi_worker", devices_per_worker=2)
+    assert str(e.value) == (
+        "devices_per_worker=2 is more than this worker has: 0 GPU(s), and on CPU TensorFlow runs one "
+        "replica per worker. Use devices_per_worker <= 1, or start more workers."
+    )
+
+
+def test_nccl_on_a_cpu_host_is_refused():
+    with pytest.raises(ValueError) as e:
+        tfdist.get_strategy("multi_worker", communication="nccl")
+    assert str(e.value) == (
+        "communication='nccl' needs GPUs, and this worker has none. Use communication='ring' "
+        "(or 'auto'). Received: communication='nccl'"
+    )
+
+
+def test_without_tf_config_it_is_one_local_worker(monkeypatch, digits):
+    # The same script runs as one process: one worker, one CPU replica.
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = tfdist.get_strategy("multi_worker", communication="ring", collective_timeout=30.0)
+    assert strategy.cluster_config is None
+    assert (strategy.num_replicas_in_sync, strategy.is_chief) == (1, True)
+    assert strategy.write_dir("/tmp/model.keras") == "/tmp/model.keras"
+    with strategy.scope():
+        model = build_model()
+    model.fit(digits[0][:64], digits[1][:64], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    reference = build_model()
+    reference.fit(digits[0][:64], digits[1][:64], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < PARITY_RTOL
+    assert keras.ops.convert_to_numpy(model.optimizer.iterations) == 2

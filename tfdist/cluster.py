@@ -1,0 +1,308 @@
+"""Where a process sits in a multi-process job: TF_CONFIG, Slurm or explicit, validated once.
+
+Every multi-process strategy starts from a `ClusterConfig`: the addresses of
+every task by job type (`chief`, `worker`, `ps`, `evaluator`) and which task
+this process is. It is read from the `TF_CONFIG` environment variable (what
+`tfdist launch`, Kubernetes TFJob and most cluster managers set), from a Slurm
+job step, or given explicitly, and it is validated here, before any TensorFlow
+server starts, so a typo in a port fails with the field and value named rather
+than with a gRPC hang minutes later.
+
+```python
+config = tfdist.cluster.parse_tf_config()      # reads os.environ["TF_CONFIG"]
+config.task_type, config.task_id, config.num_workers
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping, Optional, Union
+
+# Job types TensorFlow's runtime knows. "evaluator" runs beside the job and is
+# usually not listed in the cluster (its task still names it).
+JOB_TYPES = ("chief", "worker", "ps", "evaluator")
+
+
+class ClusterConfigError(ValueError):
+    """The cluster description is invalid; the message names the field, the value and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """A validated description of a multi-process job and of this process in it.
+
+    Args:
+        cluster: dict mapping job type (`"chief"`, `"worker"`, `"ps"`,
+            `"evaluator"`) to the list of `"host:port"` addresses of its tasks.
+        task_type: str. This process's job type.
+        task_id: int. This process's index within its job type.
+        rpc_layer: str. Transport between tasks; default `"grpc"`.
+
+    Build one with `parse_tf_config`, `from_slurm` or `ClusterConfig.create`,
+    which validate; the constructor does not.
+
+    Example:
+
+    ```python
+    config = tfdist.cluster.ClusterConfig.create(
+        {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]}, task_type="worker", task_id=1
+    )
+    config.num_workers  # 2
+    ```
+    """
+
+    cluster: Mapping[str, tuple[str, ...]]
+    task_type: str
+    task_id: int
+    rpc_layer: str = "grpc"
+
+    @classmethod
+    def create(
+        cls,
+        cluster: Mapping[str, Any],
+        task_type: str,
+        task_id: int,
+        rpc_layer: str = "grpc",
+        source: str = "cluster",
+    ) -> ClusterConfig:
+        """Validates and returns a `ClusterConfig`; raises `ClusterConfigError` naming the bad field."""
+        return _validate({"cluster": cluster, "task": {"type": task_type, "index": task_id},
+                          "rpc_layer": rpc_layer}, source)
+
+    @property
+    def num_workers(self) -> int:
+        """Tasks that train synchronously: the chief (if any) plus the workers."""
+        return len(self.cluster.get("chief", ())) + len(self.cluster.get("worker", ()))
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process does the job's single-writer duties (checkpoints, summaries).
+
+        The chief is task `chief:0` if the cluster has a chief, else `worker:0`
+        (TensorFlow's rule).
+        """
+        if "chief" in self.cluster:
+            return self.task_type == "chief"
+        return self.task_type == "worker" and self.task_id == 0
+
+    @property
+    def address(self) -> Optional[str]:
+        """This task's `host:port`, or `None` for an evaluator outside the cluster."""
+        addresses = self.cluster.get(self.task_type, ())
+        return addresses[self.task_id] if self.task_id < len(addresses) else None
+
+    def to_tf_config(self) -> dict:
+        """The TF_CONFIG dict for this process (serialise with `json.dumps`)."""
+        return {
+            "cluster": {job: list(addrs) for job, addrs in self.cluster.items()},
+            "task": {"type": self.task_type, "index": self.task_id},
+            "rpc_layer": self.rpc_layer,
+        }
+
+    def cluster_resolver(self, num_gpus: Optional[int] = None):
+        """A `tf.distribute.cluster_resolver.SimpleClusterResolver` for this config.
+
+        Args:
+            num_gpus: Optional int. GPUs this task uses; default: every GPU
+                TensorFlow sees on this host.
+        """
+        import tensorflow as tf
+
+        if num_gpus is None:
+            num_gpus = len(tf.config.list_physical_devices("GPU"))
+        spec = {job: list(addrs) for job, addrs in self.cluster.items()}
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(spec),
+            task_type=self.task_type,
+            task_id=self.task_id,
+            num_accelerators={"GPU": num_gpus} if num_gpus else {},
+            rpc_layer=self.rpc_layer,
+        )
+
+
+def _fail(source: str, message: str) -> None:
+    raise ClusterConfigError(f"{source}: {message}")
+
+
+def _check_address(source: str, job: str, i: int, address: Any) -> tuple[str, int]:
+    field = f"cluster.{job}[{i}]"
+    if not isinstance(address, str) or not address:
+        _fail(source, f"field '{field}' must be a 'host:port' string. Received: {field}={address!r}")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        _fail(source, f"field '{field}' must be a 'host:port' string such as 'localhost:2222'. "
+                      f"Received: {field}={address!r} (no port)")
+    if not port.isdigit():
+        _fail(source, f"field '{field}' has a port that is not a number: {port!r}. Expected "
+                      f"'host:port' with a port in 1..65535, e.g. '{host}:2222'. Received: {field}={address!r}")
+    if not 0 < int(port) < 65536:
+        _fail(source, f"field '{field}' has port {port}, outside 1..65535. Received: {field}={address!r}")
+    return host, int(port)
+
+
+def _validate(data: Any, source: str) -> ClusterConfig:
+    if not isinstance(data, Mapping):
+        _fail(source, f"must be a JSON object with 'cluster' and 'task'. Received: {data!r}")
+    if "cluster" not in data:
+        _fail(source, "field 'cluster' is missing. Expected e.g. "
+                      '{"cluster": {"worker": ["localhost:2222", "localhost:2223"]}, '
+                      '"task": {"type": "worker", "index": 0}}. '
+                      f"Received fields: {sorted(data)}")
+    if "task" not in data:
+        _fail(source, "field 'task' is missing. Expected e.g. "
+                      '"task": {"type": "worker", "index": 0} naming this process. '
+                      f"Received fields: {sorted(data)}")
+    cluster, task = data["cluster"], data["task"]
+    if not isinstance(cluster, Mapping) or not cluster:
+        _fail(source, "field 'cluster' must be a non-empty object mapping job type to a list of "
+                      f"'host:port' addresses. Received: cluster={cluster!r}")
+    jobs: dict[str, tuple[str, ...]] = {}
+    seen: dict[tuple[str, int], str] = {}
+    for job, addresses in cluster.items():
+        if job not in JOB_TYPES:
+            _fail(source, f"field 'cluster' has unknown job type {job!r}. "
+                          f"Valid job types: {', '.join(JOB_TYPES)}.")
+        if isinstance(addresses, str) or not isinstance(addresses, (list, tuple)) or not addresses:
+            _fail(source, f"field 'cluster.{job}' must be a non-empty list of 'host:port' strings. "
+                          f"Received: cluster.{job}={addresses!r}")
+        for i, address in enumerate(addresses):
+            host, port = _check_address(source, job, i, address)
+            key = ("localhost" if host in ("127.0.0.1", "localhost") else host, port)
+            if key in seen:
+                _fail(source, f"fields '{seen[key]}' and 'cluster.{job}[{i}]' have the same address "
+                              f"{address!r}; every task needs its own host:port.")
+            seen[key] = f"cluster.{job}[{i}]"
+        jobs[job] = tuple(addresses)
+    if len(jobs.get("chief", ())) > 1:
+        _fail(source, f"field 'cluster.chief' must have exactly one task. Received: {len(jobs['chief'])} "
+                      f"tasks {list(jobs['chief'])}")
+    if not isinstance(task, Mapping):
+        _fail(source, f"field 'task' must be an object with 'type' and 'index'. Received: task={task!r}")
+    task_type = task.get("type")
+    if task_type is None:
+        _fail(source, f"field 'task.type' is missing. Expected one of {', '.join(JOB_TYPES)}. "
+                      f"Received: task={dict(task)!r}")
+    if task_type not in JOB_TYPES:
+        _fail(source, f"field 'task.type' is an unknown job type {task_type!r}. "
+                      f"Valid job types: {', '.join(JOB_TYPES)}.")
+    task_id = task.get("index", 0)
+    if isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 0:
+        _fail(source, f"field 'task.index' must be an integer >= 0. Received: task.index={task_id!r}")
+    if task_type == "evaluator" and "evaluator" not in jobs:
+        # TensorFlow's evaluator runs beside the cluster; there is one.
+        if task_id != 0:
+            _fail(source, f"field 'task.index' is out of range: an evaluator outside the cluster "
+                          f"has index 0. Received: task.index={task_id}")
+    elif task_type not in jobs:
+        _fail(source, f"field 'task.type' is {task_type!r}, but the cluster has no {task_type!r} job. "
+                      f"Jobs in the cluster: {', '.join(jobs)}.")
+    elif task_id >= len(jobs[task_type]):
+        _fail(source, f"field 'task.index' is out of range: job {task_type!r} has {len(jobs[task_type])} "
+                      f"task(s), so the index must be 0..{len(jobs[task_type]) - 1}. "
+                      f"Received: task.index={task_id}")
+    if not jobs.get("chief") and not jobs.get("worker"):
+        _fail(source, f"field 'cluster' has no 'chief' or 'worker' job; someone must train. "
+                      f"Received jobs: {', '.join(jobs)}")
+    rpc_layer = data.get("rpc_layer") or "grpc"
+    if not isinstance(rpc_layer, str):
+        _fail(source, f"field 'rpc_layer' must be a string such as 'grpc'. Received: rpc_layer={rpc_layer!r}")
+    return ClusterConfig(cluster=jobs, task_type=task_type, task_id=task_id, rpc_layer=rpc_layer)
+
+
+def parse_tf_config(raw: Union[str, Mapping[str, Any], None] = None) -> ClusterConfig:
+    """Parses and validates a TF_CONFIG, by default the process's.
+
+    Args:
+        raw: the TF_CONFIG as a JSON string or a dict. Default `None` reads the
+            environment variable `TF_CONFIG`.
+
+    Returns:
+        The validated `ClusterConfig`.
+
+    Raises:
+        ClusterConfigError: TF_CONFIG is unset or not valid JSON; `cluster` or
+            `task` is missing; a job type is unknown; an address lacks a
+            numeric port; two tasks share an address; or the task index is
+            out of range. The message names the field and the value.
+
+    Example:
+
+    ```python
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": ["localhost:12345", "localhost:23456"]},
+        "task": {"type": "worker", "index": 0},
+    })
+    config = tfdist.cluster.parse_tf_config()
+    config.is_chief  # True
+    ```
+    """
+    source = "TF_CONFIG"
+    if raw is None:
+        raw = os.environ.get("TF_CONFIG", "")
+        if not raw.strip():
+            _fail(source, "the environment variable TF_CONFIG is not set. Start the process with "
+                          "`tfdist launch`, set TF_CONFIG to the job's JSON description, or pass "
+                          "cluster_resolver= to the strategy.")
+    if isinstance(raw, str):
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            _fail(source, f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}). "
+                          f"Received: TF_CONFIG={raw!r}")
+    else:
+        data = raw
+    return _validate(data, source)
+
+
+def from_slurm(jobs: Optional[Mapping[str, int]] = None, port_base: int = 8888) -> ClusterConfig:
+    """Reads this Slurm job step's tasks into a validated `ClusterConfig`.
+
+    Uses TensorFlow's `SlurmClusterResolver` on the variables Slurm sets for
+    every task (`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_STEP_NODELIST`,
+    `SLURM_STEP_TASKS_PER_NODE`): hosts sorted, tasks on one host on ports
+    `port_base`, `port_base + 1`, ...
+
+    Args:
+        jobs: Optional dict of job type to task count; default every task a
+            `worker`.
+        port_base: int. First port on each node; default 8888.
+
+    Raises:
+        ClusterConfigError: a Slurm variable is missing or the job does not
+            fit the step's tasks.
+    """
+    resolver = _slurm_resolver(jobs, port_base)
+    spec = resolver.cluster_spec().as_dict()
+    task_type, task_id = resolver.get_task_info()
+    return ClusterConfig.create(spec, task_type, task_id, source="Slurm job step")
+
+
+def _max_tasks_per_node(tasks_per_node: str) -> int:
+    """The largest count in Slurm's compressed form, e.g. '2(x3),1' -> 2."""
+    counts = [int(part.split("(")[0]) for part in tasks_per_node.split(",") if part.split("(")[0].isdigit()]
+    return max(counts, default=1)
+
+
+def _slurm_resolver(jobs, port_base):
+    import tensorflow as tf
+
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    try:
+        if gpus:
+            return tf.distribute.cluster_resolver.SlurmClusterResolver(jobs=jobs, port_base=port_base)
+        # On CPU nodes TensorFlow's resolver packs at most gpus_per_node //
+        # gpus_per_task tasks per node (and asks nvidia-smi for the GPU count),
+        # so give it one pseudo-GPU per task and do not touch CUDA_VISIBLE_DEVICES.
+        per_node = _max_tasks_per_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1"))
+        return tf.distribute.cluster_resolver.SlurmClusterResolver(
+            jobs=jobs, port_base=port_base, gpus_per_node=per_node, gpus_per_task=1, auto_set_gpu=False
+        )
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise ClusterConfigError(
+            f"Slurm job step: cannot read the job from the Slurm environment: {e}. Run the script "
+            "with `srun` inside an allocation (sbatch/salloc), which sets SLURM_PROCID, "
+            "SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST and SLURM_STEP_TASKS_PER_NODE."
+        ) from None

@@ -1,0 +1,287 @@
+"""Synchronous data parallelism over every device of every worker process of a job."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Optional, Union
+
+import tensorflow as tf
+
+from tfdist import cluster as cluster_lib
+from tfdist import keras_integration
+from tfdist import options as options_lib
+from tfdist.strategies.base import TfdistStrategy
+
+CLUSTER = options_lib.Option(
+    name="cluster",
+    default=None,
+    types=(str, dict, cluster_lib.ClusterConfig),
+    expected=(
+        "'tf_config' (read the TF_CONFIG environment variable), 'slurm' (this Slurm job "
+        "step), a TF_CONFIG dict, or a tfdist.cluster.ClusterConfig"
+    ),
+    doc="Where the job's description comes from; default TF_CONFIG (one local worker if unset).",
+    check=lambda v: not isinstance(v, str) or v in ("tf_config", "slurm"),
+)
+CLUSTER_RESOLVER = options_lib.Option(
+    name="cluster_resolver",
+    default=None,
+    types=(tf.distribute.cluster_resolver.ClusterResolver,),
+    expected="a tf.distribute.cluster_resolver.ClusterResolver",
+    doc="A TensorFlow cluster resolver to use instead of `cluster` (e.g. Kubernetes, GCE).",
+)
+AUTO_SHARD_POLICIES = ("auto", "file", "data", "off")
+AUTO_SHARD = options_lib.Option(
+    name="auto_shard",
+    default="auto",
+    types=(str,),
+    expected=f"one of {', '.join(repr(p) for p in AUTO_SHARD_POLICIES)}",
+    doc=(
+        "How datasets are split across workers: 'file' (each worker reads its own files), "
+        "'data' (each worker keeps its share of every global batch), 'auto' (by file when the "
+        "dataset reads files, else by data) or 'off' (every worker reads everything)."
+    ),
+    check=lambda v: v in AUTO_SHARD_POLICIES,
+)
+
+_IMPLEMENTATIONS = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+_SHARD_POLICIES = {
+    "auto": tf.data.experimental.AutoShardPolicy.AUTO,
+    "file": tf.data.experimental.AutoShardPolicy.FILE,
+    "data": tf.data.experimental.AutoShardPolicy.DATA,
+    "off": tf.data.experimental.AutoShardPolicy.OFF,
+}
+
+
+class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirroredStrategy):
+    """Replicates the model on every device of every worker and all-reduces gradients.
+
+    Every worker process runs the same script. The job is read from TF_CONFIG
+    (as written by `tfdist launch`, Kubernetes TFJob or your cluster manager),
+    from the Slurm job step with `cluster="slurm"`, or from an explicit
+    `cluster_resolver`; it is validated before any server starts
+    (`tfdist.ClusterConfigError`). Gradients are summed across all replicas of
+    all workers in fused buffers (`bucket_bytes`) by TensorFlow's collective
+    runtime (ring over gRPC, NCCL between GPUs), and every replica applies the
+    same update, so all workers hold identical weights.
+
+    Input: datasets given to `fit` are split across workers by `auto_shard`
+    and every global batch is split evenly over all replicas, so `batch_size`
+    is the global batch of the whole job. Chief-only duties: under `fit`, the
+    `ModelCheckpoint`, `TensorBoard` and `BackupAndRestore` callbacks of every
+    worker but the chief write to a temporary directory that is removed at the
+    end of training (TensorFlow's multi-worker rule: every worker saves, since
+    saving may need all of them, but only the chief's copy is kept);
+    `BackupAndRestore` restores every worker from the chief's backup.
+
+    Without TF_CONFIG (and no other `cluster`), the strategy runs as a single
+    local worker, so the same script also runs as one process.
+
+    Args:
+        cluster: Optional. `"tf_config"` (default behaviour), `"slurm"`, a
+            TF_CONFIG dict, or a `tfdist.cluster.ClusterConfig`.
+        cluster_resolver: Optional `tf.distribute.cluster_resolver.ClusterResolver`
+            to use instead of `cluster`.
+        communication: str. `"auto"` (default), `"ring"` or `"nccl"`.
+        collective_timeout: Optional float. Seconds a collective waits for
+            its peers before failing; default no timeout.
+        devices_per_worker: Optional int. GPUs per worker to train on;
+            default all of them, or one CPU replica on hosts without GPUs.
+        auto_shard: str. `"auto"` (default), `"file"`, `"data"` or `"off"`.
+        **options: step options (see `tfdist.options.STEP_OPTIONS`).
+
+    Example:
+
+    ```python
+    # train.py, started by `tfdist launch --workers 2 -- python train.py`
+    strategy = tfdist.get_strategy("multi_worker")
+    with strategy.scope():
+        model = build_and_compile_model()
+    model.fit(dataset, epochs=3, callbacks=[keras.callbacks.BackupAndRestore("/tmp/backup")])
+    ```
+    """
+
+    name = "multi_worker"
+    PARAMS = {
+        "cluster": CLUSTER,
+        "cluster_resolver": CLUSTER_RESOLVER,
+        "communication": options_lib.COMMUNICATION,
+        "collective_timeout": options_lib.COLLECTIVE_TIMEOUT,
+        "devices_per_worker": options_lib.DEVICES_PER_WORKER,
+        "auto_shard": AUTO_SHARD,
+    }
+
+    def __init__(
+        self,
+        cluster: Union[str, dict, cluster_lib.ClusterConfig, None] = None,
+        cluster_resolver: Optional[tf.distribute.cluster_resolver.ClusterResolver] = None,
+        communication: str = "auto",
+        collective_timeout: Optional[float] = None,
+        devices_per_worker: Optional[int] = None,
+        auto_shard: str = "auto",
+        **options,
+    ):
+        params = self._tfdist_init(
+            {
+                "cluster": cluster,
+                "cluster_resolver": cluster_resolver,
+                "communication": communication,
+                "collective_timeout": collective_timeout,
+                "devices_per_worker": devices_per_worker,
+                "auto_shard": auto_shard,
+                **options,
+            }
+        )
+        if cluster is not None and cluster_resolver is not None:
+            raise ValueError(
+                "Pass either 'cluster' or 'cluster_resolver', not both. "
+                f"Received: cluster={cluster!r}, cluster_resolver={cluster_resolver!r}"
+            )
+        self.cluster_config, resolver = _resolve(
+            cluster, cluster_resolver, _num_gpus(devices_per_worker, communication)
+        )
+        self.auto_shard = params["auto_shard"]
+        comm = tf.distribute.experimental.CommunicationOptions(
+            implementation=_IMPLEMENTATIONS[params["communication"]],
+            timeout_seconds=params["collective_timeout"],
+        )
+        keras_integration.isolate_collective_keys(self)
+        super().__init__(cluster_resolver=resolver, communication_options=comm)
+        keras_integration.redirect_non_chief_writes_in_fit()
+
+    @classmethod
+    def demo_kwargs(cls):
+        # A multi-process strategy: `tfdist launch` runs it, not `tfdist demo`.
+        return None
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process keeps checkpoints and summaries (chief, else worker 0)."""
+        return self.extended.should_checkpoint
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes that train in the job (chief included); 1 without a cluster."""
+        if self.cluster_config is None or self.cluster_config.task_type == "evaluator":
+            return 1
+        return self.cluster_config.num_workers
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Splits `dataset` across workers by the `auto_shard` policy, then over replicas."""
+        dataset = _with_shard_policy(dataset, self.auto_shard)
+        return super().experimental_distribute_dataset(dataset, options)
+
+    def write_dir(self, path: Union[str, os.PathLike]) -> str:
+        """Where this worker writes a file or directory meant to be written once, at `path`.
+
+        The chief writes to `path`; every other worker to a fresh temporary
+        directory (remove it with `remove_write_dir` when done). Every worker
+        must still call the save: saving a model may run collectives.
+
+        Example:
+
+        ```python
+        path = strategy.write_dir("/models/final.keras")
+        model.save(path)
+        strategy.remove_write_dir(path)
+        ```
+        """
+        path = os.fspath(path)
+        if self.is_chief:
+            return path
+        return os.path.join(_worker_temp_dir(self), os.path.basename(path.rstrip("/")) or "out")
+
+    def remove_write_dir(self, written: Union[str, os.PathLike]) -> None:
+        """Removes what a non-chief worker wrote to the path `write_dir` gave it; no-op on the chief."""
+        if self.is_chief:
+            return
+        temp = _worker_temp_dir(self)
+        if os.path.abspath(os.fspath(written)).startswith(temp):
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _worker_temp_dir(strategy) -> str:
+    # tempfile.mkdtemp cannot clash between workers on one host.
+    existing = getattr(strategy, "_tfdist_temp_dir", None)
+    if existing is None or not os.path.isdir(existing):
+        cfg = strategy.cluster_config
+        label = f"{cfg.task_type}{cfg.task_id}" if cfg else "worker"
+        existing = tempfile.mkdtemp(prefix=f"tfdist_{label}_")
+        strategy._tfdist_temp_dir = existing
+    return existing
+
+
+def _with_shard_policy(dataset, policy: str):
+    # "auto" leaves the dataset's own policy (Keras sets DATA for arrays).
+    if policy == "auto" or not isinstance(dataset, tf.data.Dataset):
+        return dataset
+    opts = tf.data.Options()
+    opts.experimental_distribute.auto_shard_policy = _SHARD_POLICIES[policy]
+    return dataset.with_options(opts)
+
+
+def _num_gpus(devices_per_worker: Optional[int], communication: str) -> Optional[int]:
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    if communication == "nccl" and not gpus:
+        raise ValueError(
+            "communication='nccl' needs GPUs, and this worker has none. Use communication='ring' "
+            "(or 'auto'). Received: communication='nccl'"
+        )
+    if devices_per_worker is None:
+        return gpus
+    if devices_per_worker > max(gpus, 1):
+        raise ValueError(
+            f"devices_per_worker={devices_per_worker} is more than this worker has: "
+            f"{gpus} GPU(s){'' if gpus else ', and on CPU TensorFlow runs one replica per worker'}. "
+            f"Use devices_per_worker <= {max(gpus, 1)}, or start more workers."
+        )
+    return devices_per_worker if gpus else 0
+
+
+def _resolve(cluster: Any, resolver, num_gpus: int):
+    """Returns (ClusterConfig or None, a cluster resolver or None for local)."""
+    if resolver is not None:
+        spec = resolver.cluster_spec().as_dict()
+        if not spec:
+            return None, resolver
+        config = cluster_lib.ClusterConfig.create(
+            spec, resolver.task_type, resolver.task_id, resolver.rpc_layer or "grpc",
+            source=f"cluster_resolver {type(resolver).__name__}",
+        )
+        return config, resolver
+    if cluster == "slurm":
+        config = cluster_lib.from_slurm()
+    elif isinstance(cluster, cluster_lib.ClusterConfig):
+        config = cluster
+    elif isinstance(cluster, dict):
+        config = cluster_lib.parse_tf_config(cluster)
+    elif os.environ.get("TF_CONFIG", "").strip():
+        config = cluster_lib.parse_tf_config()
+    elif cluster == "tf_config":
+        config = cluster_lib.parse_tf_config()  # raises: TF_CONFIG is not set
+    else:
+        config = None
+    if config is None or config.task_type == "evaluator":
+        # One local worker; an evaluator evaluates on its own, outside the collective group.
+        return config, tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({}), num_accelerators={"GPU": num_gpus} if num_gpus else {}
+        )
+    if config.task_type == "ps":
+        raise cluster_lib.ClusterConfigError(
+            "TF_CONFIG: field 'task.type' is 'ps', but the multi_worker strategy has no parameter "
+            "servers; every task trains. Use tfdist.get_strategy('parameter_server') for jobs with "
+            "ps tasks, or remove 'ps' from the cluster."
+        )
+    if "ps" in config.cluster:
+        raise cluster_lib.ClusterConfigError(
+            f"TF_CONFIG: field 'cluster.ps' lists {len(config.cluster['ps'])} parameter server(s), but "
+            "the multi_worker strategy has none. Remove 'ps' from the cluster, or use "
+            "tfdist.get_strategy('parameter_server')."
+        )
+    return config, config.cluster_resolver(num_gpus)
