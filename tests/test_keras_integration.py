@@ -232,3 +232,19 @@ def test_tf_keras_fit_under_tfdist_strategies(name, data):
     history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < PARITY_RTOL
     assert history.history["accuracy"][0] == pytest.approx(ref_history.history["accuracy"][0], abs=1e-6)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_train_on_batch_and_test_on_batch_match_single_device(name, data):
+    x, y = data
+    reference = build_model()
+    with strategy_for(name, 2).scope():
+        model = build_model()
+    for start in range(0, 96, 32):
+        ref_logs = reference.train_on_batch(x[start:start + 32], y[start:start + 32], return_dict=True)
+        logs = model.train_on_batch(x[start:start + 32], y[start:start + 32], return_dict=True)
+        assert logs["loss"] == pytest.approx(ref_logs["loss"], rel=1e-5)
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < PARITY_RTOL
+    ref_eval = reference.test_on_batch(x[:64], y[:64], return_dict=True)
+    got = model.test_on_batch(x[:64], y[:64], return_dict=True)
+    assert got["accuracy"] == pytest.approx(ref_eval["accuracy"], abs=1e-7)
