@@ -204,7 +204,8 @@ def bucket_by_length(
                 length <= longest,
                 [
                     f"bucket_by_length: an example is longer than the last boundary "
-                    f"({longest}); pass longer boundaries or too_long='drop'. Its length:",
+                    f"({longest}). Pass longer boundaries, or too_long=drop to skip such "
+                    "examples. Its length:",
                     length,
                 ],
             )

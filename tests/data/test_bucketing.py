@@ -1,0 +1,179 @@
+"""bucket_by_length: length buckets with one static shape each (issue 8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.data.corpus import VOCAB, docstring_examples
+from tests.strategies.parity import strategy_for
+
+SPEC = (tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int32))
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return docstring_examples(max_examples=300)
+
+
+def dataset_of(examples):
+    return tf.data.Dataset.from_generator(lambda: iter(examples), output_signature=SPEC)
+
+
+def nonzero_lengths(x):
+    # Token ids are >= 1, padding is 0.
+    return (np.asarray(x) != 0).sum(axis=1)
+
+
+def test_each_batch_is_padded_to_its_bucket_edge_and_holds_only_that_bucket(examples):
+    boundaries = [8, 16, 32, 64]
+    batches = tfdist.data.bucket_by_length(dataset_of(examples), boundaries=boundaries, global_batch_size=8)
+    seen = 0
+    for x, y in batches:
+        assert x.shape[0] == 8 and y.shape == (8,)
+        edge = x.shape[1]
+        assert edge in boundaries
+        lower = ([0] + boundaries)[boundaries.index(edge)]
+        lengths = nonzero_lengths(x)
+        assert lengths.min() > lower and lengths.max() <= edge
+        seen += 1
+    assert seen > 10
+
+
+def test_every_example_kept_exactly_once_without_drop_remainder(examples):
+    batches = tfdist.data.bucket_by_length(
+        dataset_of(examples), boundaries=[8, 16, 32, 64, 128], global_batch_size=8, drop_remainder=False, too_long="drop"
+    )
+    got = sorted(tuple(row[row != 0].tolist()) + (int(label),) for x, y in batches for row, label in zip(x.numpy(), y.numpy()))
+    kept = [(tuple(ids.tolist()) + (label,)) for ids, label in examples if len(ids) <= 128]
+    assert got == sorted(kept)
+    assert int(batches.dropped.numpy()) == len(examples) - len(kept) > 0
+
+
+def test_pad_values_fill_the_padding(examples):
+    batches = tfdist.data.bucket_by_length(dataset_of(examples), boundaries=[200], global_batch_size=4, pad_values=-1)
+    x, _ = next(iter(batches))
+    lengths = [len(ids) for ids, _ in examples if len(ids) <= 200][:4]
+    for row, n in zip(x.numpy(), lengths):
+        assert (row[n:] == -1).all() and (row[:n] != -1).all()
+
+
+def test_boundaries_none_are_quantiles_of_a_sample(examples):
+    batches = tfdist.data.bucket_by_length(dataset_of(examples), global_batch_size=8, num_buckets=4, sample_size=100)
+    lengths = np.array([len(ids) for ids, _ in examples[:100]])
+    expected = np.unique(np.quantile(lengths, [0.25, 0.5, 0.75, 1.0], method="higher").astype(int))
+    assert batches.boundaries == tuple(expected.tolist())
+    assert batches.boundaries[-1] == lengths.max()
+    assert tfdist.data.quantile_boundaries([3, 5, 8, 9, 20], 2) == (8, 20)
+
+
+def test_too_long_error_names_the_length(examples):
+    batches = tfdist.data.bucket_by_length(dataset_of(examples), boundaries=[4], global_batch_size=2, too_long="error")
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"longer than the last boundary \(4\)\. Pass longer boundaries, or too_long=drop to skip such examples\. Its length:\]",
+    ) as info:
+        list(batches)
+    first_too_long = next(len(ids) for ids, _ in examples if len(ids) > 4)
+    assert f"Its length:] [{first_too_long}]" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(boundaries=[8, 8, 16]),
+            "Argument 'boundaries' must be strictly increasing; 8 follows 8 at index 1. Received: "
+            "boundaries=[8, 8, 16]. Pass strictly increasing positive integers, e.g. boundaries=[16, 32, 64, 128].",
+        ),
+        (
+            dict(boundaries=[0, 8]),
+            "Argument 'boundaries' must hold positive integers. Received: boundaries=[0, 8]. "
+            "Pass strictly increasing positive integers, e.g. boundaries=[16, 32, 64, 128].",
+        ),
+        (
+            dict(boundaries=[8], global_batch_size=30, num_replicas=4),
+            "Argument 'global_batch_size' must divide evenly across the 4 replicas, so that every replica in "
+            "a step gets a batch of the same static shape. Received: global_batch_size=30. Use a multiple of 4, "
+            "e.g. 28 or 32.",
+        ),
+        (
+            dict(boundaries=[8], global_batch_size=0),
+            "Argument 'global_batch_size' must be a positive integer. Received: global_batch_size=0",
+        ),
+        (
+            dict(boundaries=[8], too_long="truncate"),
+            "Argument 'too_long' must be 'drop' or 'error'. Received: too_long='truncate'",
+        ),
+    ],
+)
+def test_bad_arguments_name_the_value_and_the_fix(kwargs, message, examples):
+    kwargs.setdefault("global_batch_size", 8)
+    with pytest.raises(ValueError) as info:
+        tfdist.data.bucket_by_length(dataset_of(examples), **kwargs)
+    assert str(info.value) == message
+
+
+def test_replica_count_comes_from_the_strategy_scope(examples):
+    with strategy_for("mirrored", 4).scope():
+        with pytest.raises(ValueError, match="must divide evenly across the 4 replicas"):
+            tfdist.data.bucket_by_length(dataset_of(examples), boundaries=[8], global_batch_size=6)
+
+
+def build_classifier():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((None,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, 8),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(2),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("name", ["mirrored", "central_storage"])
+def test_fit_under_strategy_gives_every_replica_the_same_bucket(name, examples):
+    replicas = 4
+    strategy = strategy_for(name, replicas)
+    boundaries = [16, 32, 64, 128]
+    with strategy.scope():
+        model = build_classifier()
+        batches = tfdist.data.bucket_by_length(dataset_of(examples), boundaries=boundaries, global_batch_size=16)
+    steps = 0
+    for x, _ in strategy.experimental_distribute_dataset(batches):
+        shapes = {tuple(v.shape) for v in strategy.experimental_local_results(x)}
+        assert len(shapes) == 1
+        ((per_replica, edge),) = shapes
+        assert per_replica == 4 and edge in boundaries
+        steps += 1
+    reference = build_classifier()
+    reference.fit(batches, epochs=1, verbose=0)
+    ends = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: ends.append(batch))
+    model.fit(batches, epochs=1, verbose=0, callbacks=[record])
+    assert ends == list(range(steps)) and steps > 5
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_xla_fit_compiles_one_program_per_bucket(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "xla_compilations.py")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}", TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TFDIST_LOCAL_DEVICES", None)
+    result = subprocess.run([sys.executable, script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    # Two epochs over 4 buckets: 4 shapes, 4 compilations (pad-to-longest would compile per batch length).
+    assert report["shapes"] == [[8, 16], [8, 32], [8, 64], [8, 128]]
+    assert report["compilations"] == 4
