@@ -280,7 +280,7 @@ def _raise_if_ps_failure(error: Exception, strategy, epoch: int):
     if match is None and "/job:ps" not in message:
         return
     task = int(match.group(1)) if match else None
-    addresses = strategy.cluster_resolver.cluster_spec().as_dict()["ps"]
+    addresses = strategy.cluster["ps"]
     where = f"ps task {task} ({addresses[task]})" if task is not None and task < len(addresses) else "a ps task"
     raise ParameterServerError(
         f"Training stopped in epoch {epoch}: {where} became unavailable, and the variables it "
@@ -365,11 +365,11 @@ def fit(
     callbacks.on_train_begin()
     training_logs = None
     epoch = ki.resume_epoch(model, initial_epoch)
-    for epoch in range(ki.resume_epoch(model, initial_epoch), epochs):
-        model.reset_metrics()
-        callbacks.on_epoch_begin(epoch)
-        done = 0
-        try:
+    try:
+        while epoch < epochs:
+            model.reset_metrics()
+            callbacks.on_epoch_begin(epoch)
+            done = 0
             while done < steps and not model.stop_training:
                 n = min(per_call, steps - done)
                 callbacks.on_train_batch_begin(done)
@@ -377,22 +377,29 @@ def fit(
                 done += n
                 callbacks.on_train_batch_end(done - 1, {})
             coordinator.join()
-        except Exception as e:  # noqa: BLE001 (re-raised unless it is a ps failure)
-            _raise_if_ps_failure(e, strategy, epoch)
-            raise
-        epoch_logs = ki.pythonify_logs(model.get_metrics_result())
-        if validation_data is not None and model._should_eval(epoch, validation_freq):
-            val_x, val_y, val_w = ki.unpack_data(validation_data) if isinstance(validation_data, tuple) else (
-                validation_data, None, None)
-            val_logs = evaluate(
-                model, val_x, val_y, batch_size=validation_batch_size or batch_size, sample_weight=val_w,
-                steps=validation_steps, callbacks=callbacks, return_dict=True, verbose=0,
-            )
-            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-        callbacks.on_epoch_end(epoch, epoch_logs)
-        training_logs = epoch_logs
-        if model.stop_training:
-            break
+            epoch_logs = ki.pythonify_logs(model.get_metrics_result())
+            if validation_data is not None and model._should_eval(epoch, validation_freq):
+                val_x, val_y, val_w = (
+                    ki.unpack_data(validation_data)
+                    if isinstance(validation_data, tuple)
+                    else (validation_data, None, None)
+                )
+                val_logs = evaluate(
+                    model, val_x, val_y, batch_size=validation_batch_size or batch_size,
+                    sample_weight=val_w, steps=validation_steps, callbacks=callbacks,
+                    return_dict=True, verbose=0,
+                )
+                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            callbacks.on_epoch_end(epoch, epoch_logs)
+            training_logs = epoch_logs
+            epoch += 1
+            if model.stop_training:
+                break
+    except Exception as e:  # noqa: BLE001 (re-raised as is unless a ps task failed)
+        # A ps failure surfaces wherever the chief next touches a variable:
+        # scheduling, join, resetting or reading metrics, a callback.
+        _raise_if_ps_failure(e, strategy, epoch)
+        raise
     callbacks.on_train_end(logs=training_logs)
     return model.history
 

@@ -157,8 +157,8 @@ class ServingTask:
         return ValueError(
             f"{what} was called in the {self.task_type!r} task {self.task_id} of a parameter-server "
             "job. Only the chief builds, compiles and fits the model; worker and ps tasks serve it. "
-            "Guard model code with `if strategy is a tf.distribute.Strategy`, or let "
-            "tfdist.get_strategy('parameter_server') block on these tasks (join=True, the default)."
+            "Let tfdist.get_strategy('parameter_server') block on these tasks (join=True, the "
+            "default), which runs the model code on the chief only."
         )
 
     def scope(self):
@@ -309,6 +309,11 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
     @property
     def task_type(self) -> str:
         return self._tfdist_resolver.task_type
+
+    @property
+    def cluster(self) -> dict:
+        """The cluster as a dict of job name to task addresses."""
+        return self._tfdist_resolver.cluster_spec().as_dict()
 
     @property
     def num_workers(self) -> int:

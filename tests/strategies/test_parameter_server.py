@@ -1,0 +1,284 @@
+"""Parameter-server training (issue 5): real TF servers, one process per task, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+import tfdist
+from tests.strategies.ps_cluster import REPO, Cluster, free_ports
+
+JOB = os.path.join(REPO, "tests", "strategies", "ps_job.py")
+
+
+def _tf_config(cluster: dict, task: str = "chief", index: int = 0) -> str:
+    return json.dumps({"cluster": cluster, "task": {"type": task, "index": index}})
+
+
+def _result(log: str) -> dict:
+    lines = [line for line in log.splitlines() if line.startswith("RESULT ")]
+    assert lines, log[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+# ---------------------------------------------------------------------------
+# Bad input, rejected before any server starts.
+# ---------------------------------------------------------------------------
+
+
+def test_tf_config_without_ps_tasks_is_rejected(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", _tf_config({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}))
+    with pytest.raises(ValueError) as e:
+        tfdist.get_strategy("parameter_server")
+    assert str(e.value) == (
+        "Strategy 'parameter_server' needs a 'ps' job with at least one task to hold the variables. "
+        "Received: cluster jobs ['chief', 'worker']. Add ps tasks to TF_CONFIG's cluster "
+        "(tfdist launch --ps 1 ...), or use strategy 'multi_worker' for synchronous training "
+        "without parameter servers."
+    )
+
+
+def test_tf_config_without_chief_is_rejected(monkeypatch):
+    monkeypatch.setenv(
+        "TF_CONFIG", _tf_config({"worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}, task="worker")
+    )
+    with pytest.raises(ValueError) as e:
+        tfdist.get_strategy("parameter_server")
+    assert str(e.value) == (
+        "Strategy 'parameter_server' needs a 'chief' job with exactly one task: the coordinator that "
+        "builds the model and runs model.fit. Received: cluster jobs ['ps', 'worker']. Add one chief "
+        "to TF_CONFIG's cluster (tfdist launch --chief ...)."
+    )
+
+
+def test_missing_tf_config_is_rejected(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ValueError, match=r"Received: TF_CONFIG unset$"):
+        tfdist.get_strategy("parameter_server")
+
+
+@pytest.mark.parametrize(
+    "spec", ["num_shards:0", "shards:2", "max_shard_bytes:-1", 3], ids=["zero", "unknown", "negative", "int"]
+)
+def test_bad_variable_partitioner_is_rejected(spec, monkeypatch):
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        _tf_config({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}),
+    )
+    with pytest.raises(tfdist.OptionError) as e:
+        tfdist.get_strategy("parameter_server", variable_partitioner=spec)
+    assert str(e.value).startswith(
+        "option 'variable_partitioner' must be 'num_shards:N' (every variable in N shards), "
+        "'max_shard_bytes:B' (shards of at most B bytes), 'min_shard_bytes:B' (shards of at least "
+        f"B bytes), or a tf.distribute.experimental.partitioners.Partitioner. Received: variable_partitioner={spec!r}"
+    )
+
+
+@pytest.mark.cluster
+def test_model_code_on_a_worker_process_is_a_clear_error(tmp_path):
+    # join=False hands a worker its server instead of blocking; building or
+    # fitting a model there is a mistake that must say so.
+    ports = free_ports(3)
+    cluster = {
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "worker": [f"127.0.0.1:{ports[1]}"],
+        "ps": [f"127.0.0.1:{ports[2]}"],
+    }
+    script = (
+        "import tfdist\n"
+        "task = tfdist.get_strategy('parameter_server', join=False)\n"
+        "print(type(task).__name__, task.task_type, task.task_id)\n"
+        "try:\n"
+        "    with task.scope():\n"
+        "        pass\n"
+        "except ValueError as e:\n"
+        "    print('ERROR', e)\n"
+    )
+    env = dict(os.environ, TF_CONFIG=_tf_config(cluster, "worker", 0), TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "ServingTask worker 0"
+    assert lines[1] == (
+        "ERROR strategy.scope() was called in the 'worker' task 0 of a parameter-server job. Only the "
+        "chief builds, compiles and fits the model; worker and ps tasks serve it. Let "
+        "tfdist.get_strategy('parameter_server') block on these tasks (join=True, the default), "
+        "which runs the model code on the chief only."
+    )
+
+
+# ---------------------------------------------------------------------------
+# A whole job: convergence, partitioning, save and load, input errors.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ps_main")
+    with Cluster(JOB, ["main", str(out)], workers=2, ps=2, tmp_path=out) as cluster:
+        cluster.start_all()
+        code = cluster.wait_chief(timeout=240)
+        exits = cluster.wait_all_exit(timeout=30)
+        log = cluster.log()
+        assert code == 0, log[-4000:]
+        yield {"result": _result(log), "exits": exits, "log": log, "cluster": cluster.spec}
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_fit_converges_like_synchronous_training(main_job):
+    r = main_job["result"]
+    history = r["history"]
+    assert len(history["loss"]) == 4
+    # 4 epochs of ceil(1500 / 32) = 47 steps, each applied once, summed over both workers.
+    assert r["iterations"] == 4 * 47
+    sync_loss, sync_acc = r["sync_eval"]
+    ps_loss, ps_acc = r["ps_eval"]
+    # Asynchronous updates on 2 workers land near the synchronous result on the same data.
+    assert ps_loss < sync_loss + 0.1
+    assert ps_acc > sync_acc - 0.05
+    assert history["loss"][-1] < history["loss"][0] / 3
+    # The inline evaluation at the end of the last epoch is model.evaluate's.
+    assert history["val_loss"][-1] == pytest.approx(ps_loss, rel=1e-6)
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_every_task_exits_cleanly_when_the_chief_finishes(main_job):
+    assert main_job["exits"] == {
+        ("ps", 0): 0,
+        ("ps", 1): 0,
+        ("worker", 0): 0,
+        ("worker", 1): 0,
+        ("chief", 0): 0,
+    }
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_each_ps_holds_only_its_partitions(main_job):
+    placement = main_job["result"]["placement"]
+    table = [(task, shape) for task, shape in placement["table/embeddings"]]
+    assert table == [(0, [544, 8]), (1, [544, 8])]
+    for path, parts in placement.items():
+        if path.endswith("table_embeddings_momentum") or path.endswith("table_embeddings_velocity"):
+            # Adam's moments of shard i live with shard i.
+            assert [(task, shape) for task, shape in parts] == [(0, [544, 8]), (1, [544, 8])], path
+    for path, parts in placement.items():
+        assert all(task in (0, 1) for task, _ in parts), path  # nothing on the chief or workers
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_partitioned_embedding_survives_save_and_load(main_job):
+    r = main_job["result"]
+    assert r["emb_iterations"] == 3 * 40
+    assert r["loaded_table_shape"] == [1088, 8]
+    assert r["loaded_table_max_diff"] == 0.0
+    assert r["loaded_predict_max_diff"] < 1e-5
+    assert r["loaded_eval"] == pytest.approx(r["emb_eval"], rel=1e-5)
+    # ModelCheckpoint wrote the model of the last epoch from the chief.
+    assert r["checkpoint_eval"] == pytest.approx(r["emb_eval"], rel=1e-5)
+    assert r["emb_loss"][-1] < r["emb_loss"][0] / 2
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_input_that_workers_cannot_rebuild_is_rejected(main_job):
+    r = main_job["result"]
+    assert r["unsafe_error"] == (
+        "ValueError: The dataset passed to fit is not per-worker-safe: it runs Python code of the "
+        "chief process (op 'PyFunc', from Dataset.from_generator, tf.py_function or "
+        "tf.numpy_function), and under strategy 'parameter_server' every worker builds its own copy "
+        "of the input, where that Python code does not exist. Build the dataset from tensors or "
+        "files instead, e.g. tf.data.Dataset.from_tensor_slices(...) or tf.data.TFRecordDataset(...)."
+    )
+    assert r["infinite_error"] == (
+        "ValueError: fit under strategy 'parameter_server' needs `steps_per_epoch` for infinite "
+        "data: each worker iterates its own copy of the input, so an epoch has no end of its own. "
+        "Pass steps_per_epoch=N (steps per epoch, summed over workers). Received: "
+        "steps_per_epoch=None with an infinite dataset"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Failures: a worker killed and restarted, then a ps task killed and the job restarted.
+# ---------------------------------------------------------------------------
+
+
+def _epochs(path: str) -> list[tuple[int, float]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [(int(a), float(b)) for a, b in (line.split() for line in f if line.strip())]
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_worker_failure_is_survived_and_ps_failure_resumes_from_backup(tmp_path):
+    epochs_file = str(tmp_path / "epochs.txt")
+    cluster = Cluster(JOB, ["faults", str(tmp_path)], workers=2, ps=1, tmp_path=tmp_path)
+    with cluster:
+        chief = cluster.start_all(chief_args=["1000"])
+        _wait_for(lambda: len(_epochs(epochs_file)) >= 1, 180, "the first epoch")
+
+        # A worker dies mid-fit: the other one carries on, and the restarted one rejoins.
+        cluster.kill("worker", 1)
+        killed_at = len(_epochs(epochs_file))
+        log_size = os.path.getsize(cluster.log_path("worker", 1))
+        cluster.start("worker", 1)
+        _wait_for(lambda: len(_epochs(epochs_file)) >= killed_at + 2, 120, "epochs while worker 1 is down")
+        _wait_for(lambda: "BATCH" in cluster.log("worker", 1)[log_size:], 120, "worker 1 to rejoin")
+        assert chief.poll() is None
+
+        # A ps task dies: its variables are gone, so fit stops with a clear error.
+        cluster.kill("ps", 0)
+        code = cluster.wait_chief(timeout=120)
+        log = cluster.log()
+        assert code == 1, log[-3000:]
+        match = re.search(
+            r"tfdist\.engine\.parameter_server\.ParameterServerError: Training stopped in epoch (\d+): "
+            r"ps task 0 \((127\.0\.0\.1:\d+)\) became unavailable, and the variables it held are lost\. "
+            r"Restart the job; with keras\.callbacks\.BackupAndRestore\(backup_dir\) in fit's callbacks, "
+            r"training resumes from the last completed epoch\.",
+            log,
+        )
+        assert match, log[-3000:]
+        failed_epoch = int(match.group(1))
+        assert match.group(2) == cluster.spec["ps"][0]
+        assert failed_epoch == len(_epochs(epochs_file))
+        # The workers see the chief go and exit on their own.
+        exits = cluster.wait_all_exit(timeout=30)
+        assert exits[("worker", 0)] == 0 and exits[("worker", 1)] == 0
+        loss_before = _epochs(epochs_file)[-1][1]
+
+        # The job restarts (as `tfdist launch --restarts 1` would) and resumes from the backup.
+        cluster.procs.clear()
+        chief = cluster.start_all(chief_args=[str(failed_epoch + 2)])
+        assert cluster.wait_chief(timeout=240) == 0, cluster.log()[-3000:]
+        r = _result(cluster.log())
+        resumed = _epochs(epochs_file)[failed_epoch:]
+        assert [epoch for epoch, _ in resumed] == [failed_epoch, failed_epoch + 1]
+        assert r["epochs_run"] == 2
+        # Trained weights came back: a fresh model starts near loss 2.3.
+        assert resumed[0][1] < loss_before + 0.2
+        assert r["eval"][1] > 0.9
+        assert set(cluster.wait_all_exit(timeout=30).values()) == {0}
