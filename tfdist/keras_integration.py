@@ -958,6 +958,51 @@ def xla_compiled_ops():
             op._set_attr("_XlaScope", attr_value_pb2.AttrValue(s=b"tfdist_replica_step"))
 
 
+_unscaled_losses: dict = {}
+
+
+def keras_losses_unscaled():
+    """Context in which Keras loss objects return the replica's mean loss, not 1/N of it.
+
+    Under a strategy with N replicas, Keras 3 divides every
+    `"sum_over_batch_size"` loss by N (`keras.src.losses.loss.
+    scale_loss_for_distribution`), for its own train step. A `model_fn`
+    returns the mean loss over its replica's batch however it computed it
+    (a Keras loss object or `tf.reduce_mean`), and the runner weights it by
+    the batch size itself; inside this context (per thread: MirroredStrategy
+    runs replicas in threads) Keras leaves the loss unscaled. The wrapper is
+    installed once and defers to Keras outside the context. Verified on Keras
+    3.5 to 3.15.
+    """
+    import contextlib
+    import threading
+
+    from keras.src.losses import loss as loss_module
+
+    if "state" not in _unscaled_losses:
+        state = threading.local()
+        original = loss_module.scale_loss_for_distribution
+
+        def scale_loss_for_distribution(value):
+            if getattr(state, "depth", 0):
+                return value
+            return original(value)
+
+        loss_module.scale_loss_for_distribution = scale_loss_for_distribution
+        _unscaled_losses["state"] = state
+    state = _unscaled_losses["state"]
+
+    @contextlib.contextmanager
+    def scope():
+        state.depth = getattr(state, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            state.depth -= 1
+
+    return scope()
+
+
 # ---------------------------------------------------------------------------
 # Input distribution (tfdist.data.TransferManager).
 # ---------------------------------------------------------------------------
@@ -1220,3 +1265,25 @@ def refuse_tf_keras_variables(strategy, message: str) -> None:
         return original(next_creator, **kwargs)
 
     strategy.extended._create_variable = create_variable
+
+
+def guard_load_weights(model, snapshot_fn, restore_fn) -> None:
+    """Makes `model.load_weights` all-or-nothing: on any error the model is restored, then it re-raises.
+
+    Keras loads layer by layer and raises the collected errors at the end, so
+    a checkpoint of another model, or of another optimizer, leaves some
+    variables overwritten. `snapshot_fn()` returns the state to keep (host
+    copies); `restore_fn(snapshot)` writes it back. Set on the instance.
+    """
+    original = model.load_weights
+
+    @functools.wraps(original)
+    def load_weights(*args, **kwargs):
+        snapshot = snapshot_fn()
+        try:
+            return original(*args, **kwargs)
+        except Exception:
+            restore_fn(snapshot)
+            raise
+
+    object.__setattr__(model, "load_weights", load_weights)
