@@ -15,7 +15,7 @@ environment variable `TFDIST_RESTART_COUNT` tells the script which attempt it
 is), so a script with `keras.callbacks.BackupAndRestore` resumes where it
 stopped.
 
-This module does not import TensorFlow.
+The launcher itself uses no TensorFlow; only the processes it starts do.
 """
 
 from __future__ import annotations

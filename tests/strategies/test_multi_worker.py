@@ -31,8 +31,9 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def run(out, *args, restarts=0):
+    # TMPDIR: the non-chief's temporary write directories land in `out`.
     return run_job([sys.executable, JOB, "--out", str(out), *args], workers=2, restarts=restarts,
-                   env=ENV, timeout=JOB_TIMEOUT_S)
+                   env={**ENV, "TMPDIR": str(out)}, timeout=JOB_TIMEOUT_S)
 
 
 def results(out, task):
@@ -137,8 +138,9 @@ def test_only_the_chief_writes_checkpoints_and_summaries(two_worker_job):
     # Both workers run ModelCheckpoint and TensorBoard; the non-chief's copies
     # write to a temporary directory that is removed. Without tfdist's
     # redirection each worker would write its own events file here.
-    status, _, writers = two_worker_job
+    status, out, writers = two_worker_job
     assert status == 0
+    assert not [p for p in os.listdir(out) if p.startswith("tfdist_")]  # the temporary directory is gone
     events = sorted(p for p in os.listdir(writers / "tb" / "train") if p.startswith("events.out"))
     assert len(events) == 1
     assert sorted(os.listdir(writers)) == ["ckpt.weights.h5", "tb"]

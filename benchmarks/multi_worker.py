@@ -1,0 +1,151 @@
+"""Multi-worker scaling: the same model with 1 worker and with 2 workers, each pinned to one core.
+
+    python benchmarks/multi_worker.py [--epochs 4] [--per-worker-batch 128]
+
+Weak scaling, as multi-worker jobs are run: every worker keeps its batch
+(`--per-worker-batch`), so the global batch grows with the workers. The job is
+started with `tfdist launch` (real TensorFlow servers in separate processes on
+127.0.0.1); worker i is pinned to core i. Throughput is measured by the chief
+over the epochs after the first (which includes tracing), in samples per
+second of the whole job, and
+
+    scaling efficiency = samples/s with 2 workers / (2 * samples/s with 1 worker).
+
+Prints a table and writes benchmarks/results/multi_worker.json. Never asserts:
+timing depends on the machine and on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "multi_worker.json")
+
+
+def worker(args) -> None:
+    """One process of the job (TF_CONFIG is set by the launcher)."""
+    config = json.loads(os.environ["TF_CONFIG"])
+    index = config["task"]["index"]
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[index % len(cores)]})
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+
+    import tfdist
+
+    strategy = tfdist.get_strategy("multi_worker")
+    x, y = tfdist.datasets.load_digits()
+    global_batch = args.per_worker_batch * strategy.num_workers
+    steps = len(x) // global_batch
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(512, activation="relu"),
+                keras.layers.Dense(512, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=args.steps_per_execution,
+        )
+    times = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+    model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, verbose=0, callbacks=[Timer()])
+    steady = times[1:] or times
+    if strategy.is_chief:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "workers": strategy.num_workers,
+                    "replicas": strategy.num_replicas_in_sync,
+                    "global_batch": global_batch,
+                    "steps_per_epoch": steps,
+                    "samples_per_s": steps * global_batch * len(steady) / sum(steady),
+                    "step_ms": 1000 * sum(steady) / (len(steady) * steps),
+                },
+                f,
+            )
+
+
+def run(workers: int, args) -> dict:
+    from tfdist.launch import run_job
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        command = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out,
+                   "--epochs", str(args.epochs), "--per-worker-batch", str(args.per_worker_batch),
+                   "--steps-per-execution", str(args.steps_per_execution)]
+        status = run_job(command, workers=workers, env={"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=args.timeout)
+        if status != 0:
+            raise SystemExit(f"the {workers}-worker job failed with status {status}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=4, help="epochs per run; the first is not timed (default 4)")
+    p.add_argument("--per-worker-batch", type=int, default=128, help="batch per worker (default 128)")
+    p.add_argument("--steps-per-execution", type=int, default=1,
+                   help="steps per host call; the loss metric is all-reduced once per call (default 1)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per job (default 600)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    rows = [run(1, args), run(2, args)]
+    efficiency = rows[1]["samples_per_s"] / (2 * rows[0]["samples_per_s"])
+    header = f"{'workers':>7} {'replicas':>8} {'global batch':>12} {'step ms':>8} {'samples/s':>10} {'speed-up':>8}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        speed_up = r["samples_per_s"] / rows[0]["samples_per_s"]
+        print(f"{r['workers']:>7} {r['replicas']:>8} {r['global_batch']:>12} {r['step_ms']:>8.1f} "
+              f"{r['samples_per_s']:>10.0f} {speed_up:>8.2f}")
+    print(f"scaling efficiency (2 workers): {efficiency:.2f}")
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump(
+            {
+                "benchmark": "multi_worker",
+                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                "epochs": args.epochs,
+                "per_worker_batch": args.per_worker_batch,
+                "steps_per_execution": args.steps_per_execution,
+                "runs": rows,
+                "scaling_efficiency": efficiency,
+            },
+            f,
+            indent=2,
+        )
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
