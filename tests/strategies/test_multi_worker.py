@@ -261,3 +261,31 @@ def test_without_tf_config_it_is_one_local_worker(monkeypatch, digits):
     reference.fit(digits[0][:64], digits[1][:64], batch_size=32, epochs=1, shuffle=False, verbose=0)
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < PARITY_RTOL
     assert keras.ops.convert_to_numpy(model.optimizer.iterations) == 2
+
+
+# ---------------------------------------------------------------------------
+# The example: TensorFlow's tutorial shape, under `tfdist launch --workers 2`.
+# ---------------------------------------------------------------------------
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "examples", "multi_worker", "train.py")
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_tutorial_example_trains_under_launch_and_workers_agree(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    status = run_job(
+        [sys.executable, EXAMPLE, "--epochs", "2", "--steps-per-epoch", "6", "--model-dir", str(model_dir)],
+        workers=2, env={**ENV, "TMPDIR": str(tmp_path)}, timeout=JOB_TIMEOUT_S,
+    )
+    assert status == 0
+    out = capsys.readouterr().out.splitlines()
+    epochs = {w: [line.split(" - ")[-2:] for line in out if line.startswith(f"[worker:{w}] 6/6")] for w in (0, 1)}
+    assert len(epochs[0]) == 2 and epochs[0] == epochs[1]  # same loss and accuracy on both workers
+    assert sorted(os.listdir(model_dir)) == ["ckpt", "logs", "model.keras"]  # backup deleted at the end
+    assert sorted(os.listdir(model_dir / "ckpt")) == ["epoch1.weights.h5", "epoch2.weights.h5"]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("tfdist_")]
+    restored = keras.saving.load_model(model_dir / "model.keras")
+    assert restored.optimizer.iterations.numpy() == 12
