@@ -37,6 +37,7 @@ for _cls in (
 ):
     register(_cls)
 register(strategies.ParameterServerStrategy)
+register(strategies.ShardedOptimizerStrategy)
 
 
 def strategy_names() -> list[str]:

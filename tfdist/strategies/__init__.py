@@ -3,14 +3,16 @@
 from tfdist.strategies.base import TfdistStrategy, is_tfdist_strategy
 from tfdist.strategies.central_storage import CentralStorageStrategy
 from tfdist.strategies.mirrored import MirroredStrategy
+from tfdist.strategies.sharded_optimizer import ShardedOptimizerStrategy
 from tfdist.strategies.parameter_server import ParameterServerStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
 __all__ = [
     "CentralStorageStrategy",
     "MirroredStrategy",
-    "MultiWorkerMirroredStrategy",
+    "ShardedOptimizerStrategy",
     "ParameterServerStrategy",
+    "MultiWorkerMirroredStrategy",
     "TfdistStrategy",
     "is_tfdist_strategy",
 ]

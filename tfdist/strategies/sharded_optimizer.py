@@ -154,7 +154,9 @@ class ShardedOptimizerStrategy(MirroredStrategy):
                 f"{len(optimizer.variables)} variables), so it cannot be sharded. Pass a new, "
                 "unbuilt optimizer to model.compile() under the 'sharded_optimizer' strategy."
             )
-        ki.install_sharded_optimizer(optimizer, ShardedState(self, optimizer))
+        state = ShardedState(self, optimizer)
+        ki.install_sharded_optimizer(optimizer, state)
+        ki.guard_load_weights(model, lambda: state.snapshot(model), lambda saved: state.restore(model, saved))
 
 
 class ShardedState:
@@ -275,6 +277,18 @@ class ShardedState:
             self._checkpoint_children = self._canonical_children()
         children.update(self._checkpoint_children)
         return children
+
+    def snapshot(self, model) -> tuple:
+        """Host copies of the model's weights and the canonical optimizer state."""
+        state = self.canonical_values() if self.layout is not None else None
+        return [np.array(v.numpy()) for v in model.weights], state
+
+    def restore(self, model, saved: tuple) -> None:
+        weights, state = saved
+        for v, value in zip(model.weights, weights):
+            v.assign(value)
+        if state is not None:
+            self.load_canonical_values(state)
 
     # Canonical state -------------------------------------------------------
     def canonical_shapes(self) -> list[tuple[int, ...]]:
