@@ -230,3 +230,27 @@ def test_cli_without_a_command_exits_2(capsys):
     assert capsys.readouterr().err == (
         "tfdist launch: no command given. Usage: tfdist launch --workers 2 -- python train.py\n"
     )
+
+
+def test_with_parameter_servers_the_job_ends_with_the_chief(tmp_path, capsys, monkeypatch):
+    # Under the parameter-server strategy workers serve until stopped: the job
+    # ends with the chief, without waiting for them (with a wait as long as the
+    # timeout, the job would time out: status 124).
+    monkeypatch.setattr(launch, "FINISH_GRACE_S", 600.0)
+    command = script(tmp_path, """
+        if role != "chief:0":
+            time.sleep(600)
+        print("chief done")
+    """)
+    assert run_job(command, workers=2, chief=True, ps=1, timeout=30) == 0
+    assert capsys.readouterr().out.splitlines() == ["[chief:0] chief done"]
+
+
+def test_chief_led_synchronous_workers_may_finish_after_the_chief(tmp_path, capsys):
+    command = script(tmp_path, """
+        if role == "worker:0":
+            time.sleep(1)
+        print("done")
+    """)
+    assert run_job(command, workers=1, chief=True) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[chief:0] done", "[worker:0] done"]

@@ -36,8 +36,8 @@ from typing import Optional, Sequence
 TAIL_LINES = 20
 # Seconds a process gets to exit after SIGTERM before SIGKILL.
 STOP_GRACE_S = 5.0
-# Seconds the other training processes get to finish on their own once the
-# job's status is decided (the workers of a chief-led job end a moment later).
+# Seconds the workers of a chief-led job without parameter servers get to
+# finish on their own once the chief has (they end a moment later).
 FINISH_GRACE_S = 10.0
 _POLL_S = 0.05
 
@@ -210,9 +210,15 @@ def _run_once(command, workers, chief, ps, evaluator, base_env, attempt, deadlin
                     _report_failure(t)
                     return _exit_status(code), True
             if all(t.process.poll() == 0 for t in deciding):
-                others = [t for t in tasks if t not in deciding and t.job in ("chief", "worker")]
+                # Synchronous workers of a chief-led job end a moment after the
+                # chief; with parameter servers, workers serve until stopped.
+                others = [t for t in tasks if t not in deciding and t.job == "worker" and not ps]
                 grace = time.monotonic() + FINISH_GRACE_S
                 while any(t.process.poll() is None for t in others) and time.monotonic() < grace:
+                    if deadline is not None and time.monotonic() > deadline:
+                        _stop(tasks)
+                        _say(f"the job did not finish within the timeout; stopped all {len(tasks)} processes.")
+                        return EXIT_TIMEOUT, False
                     time.sleep(_POLL_S)
                 failed = [t for t in others if t.process.poll() not in (None, 0)]
                 _stop(tasks)
