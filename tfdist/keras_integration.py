@@ -606,11 +606,12 @@ def redirect_non_chief_writes_in_fit() -> None:
     (`_weights_path`, `_training_metadata_path`, `_prev_*`), verified on Keras
     3.5 to 3.15. Installed once, by the strategy's constructor.
     """
-    if _fit_hook:
-        return
     import inspect
 
     trainer = _trainer_class()
+    # Checked on the method itself: another hook may have replaced `fit` since.
+    if getattr(trainer.fit, "_tfdist_redirects_writes", False):
+        return
     original = trainer.fit
     signature = inspect.signature(original)
 
@@ -628,6 +629,7 @@ def redirect_non_chief_writes_in_fit() -> None:
         finally:
             strategy.remove_write_dir(strategy.write_dir("x"))
 
+    fit._tfdist_redirects_writes = True
     _fit_hook["fit"] = original
     trainer.fit = fit
 
