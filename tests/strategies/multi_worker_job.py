@@ -113,7 +113,9 @@ def main() -> None:
         callbacks.append(keras.callbacks.TensorBoard(os.path.join(args.writers, "tb")))
         callbacks.append(keras.callbacks.ModelCheckpoint(os.path.join(args.writers, "ckpt.weights.h5"),
                                                          save_weights_only=True))
-    history = model.fit(x, y, batch_size=32, epochs=args.epochs, shuffle=False, verbose=2, callbacks=callbacks)
+    validation = (x[:100], y[:100]) if args.writers else None
+    history = model.fit(x, y, batch_size=32, epochs=args.epochs, shuffle=False, verbose=2, callbacks=callbacks,
+                        validation_data=validation)
     result = {
         "task": task,
         "is_chief": strategy.is_chief,

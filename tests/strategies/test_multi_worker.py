@@ -47,7 +47,7 @@ def group(weights, prefix):
     return [weights[f"{prefix}_{i}"] for i in range(4)]
 
 
-def mirrored_reference(x, y, epochs, tf_data=False):
+def mirrored_reference(x, y, epochs, tf_data=False, validation_data=None):
     """The same model and global batch under single-process 2-replica mirrored."""
     strategy = tfdist.get_strategy("mirrored", devices=DEVICES[2])
     with strategy.scope():
@@ -55,7 +55,8 @@ def mirrored_reference(x, y, epochs, tf_data=False):
     if tf_data:
         history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=epochs, verbose=0)
     else:
-        history = model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+        history = model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0,
+                            validation_data=validation_data)
     return model, history
 
 
@@ -86,10 +87,14 @@ def test_two_workers_train_to_identical_weights_matching_mirrored(two_worker_job
     for key in chief_w:
         np.testing.assert_array_equal(chief_w[key], other_w[key])
     x, y = digits[0][:640], digits[1][:640]
-    reference, history = mirrored_reference(x, y, epochs=2)
+    reference, history = mirrored_reference(x, y, epochs=2, validation_data=(x[:100], y[:100]))
     assert max_relative_difference(reference.get_weights(), group(chief_w, "keras3")) < PARITY_RTOL
-    np.testing.assert_allclose(chief["history"]["loss"], history.history["loss"], rtol=1e-5)
-    np.testing.assert_allclose(chief["history"]["accuracy"], history.history["accuracy"], rtol=1e-6)
+    assert sorted(chief["history"]) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(chief["history"][key], history.history[key], rtol=1e-5)
+    for key in ("accuracy", "val_accuracy"):
+        np.testing.assert_allclose(chief["history"][key], history.history[key], rtol=1e-6)
+    assert other["history"] == chief["history"]
     ref_eval = reference.evaluate(x, y, batch_size=50, verbose=0, return_dict=True)
     assert chief["evaluate"]["accuracy"] == pytest.approx(ref_eval["accuracy"], abs=1e-7)
     assert chief["evaluate"]["loss"] == pytest.approx(ref_eval["loss"], rel=1e-5)
