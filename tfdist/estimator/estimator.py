@@ -78,6 +78,10 @@ def _split(element) -> tuple[Any, Any]:
     return element, None
 
 
+def _is_parameter_server(strategy) -> bool:
+    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+
+
 def _batch_size(features) -> tf.Tensor:
     flat = [t for t in tf.nest.flatten(features) if t is not None]
     return tf.shape(flat[0])[0]
@@ -174,6 +178,10 @@ class _Graph:
                 0, dtype=tf.int64, trainable=False, name="global_step",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
+            if _is_parameter_server(strategy):
+                # Asynchronous steps return their losses to the chief instead.
+                self.loss_sum = self.loss_weight = None
+                return
             # Per-replica sums, added on read: the mean loss since the last read.
             self.loss_sum = tf.Variable(0.0, trainable=False, name="loss_sum",
                                         synchronization=tf.VariableSynchronization.ON_READ,
@@ -200,6 +208,8 @@ class _Graph:
         return spec
 
     def accumulate_loss(self, loss, weight) -> None:
+        if self.loss_sum is None:
+            return
         self.loss_sum.assign_add(tf.math.multiply_no_nan(tf.cast(loss, tf.float32), weight))
         self.loss_weight.assign_add(weight)
 
@@ -223,13 +233,15 @@ class _Graph:
         built = []
 
         def trace(f, lbl):
-            spec = self.call_model_fn(f, lbl, mode, allow_creation=True)
+            # tf.function may trace twice; only the first call creates.
+            first = not built
+            spec = self.call_model_fn(f, lbl, mode, allow_creation=first)
             built.append(spec)
             if mode == ModeKeys.TRAIN and spec.optimizer is None and callable(spec.train_op):
                 # The update's own state (optimizer slots) is created here, in
                 # replica context where the update runs, not in the step.
                 def replica_fn(f, lbl):
-                    with self.store.call(allow_creation=True):
+                    with self.store.call(allow_creation=first):
                         self.estimator._call_model_fn(f, lbl, mode).train_op()
 
                 self.strategy.run(replica_fn, args=(f, lbl))
@@ -436,7 +448,8 @@ class Estimator:
             self._graphs[id(strategy)] = _Graph(self, strategy)
         return self._graphs[id(strategy)]
 
-    def _dataset(self, input_fn: Callable, mode: str, strategy: tf.distribute.Strategy):
+    def _input_dataset(self, input_fn: Callable, mode: str, input_context=None) -> tf.data.Dataset:
+        """Calls `input_fn` with the arguments it takes; checks it returned a dataset."""
         names = _arg_names(input_fn)
         kwargs = {}
         if "params" in names:
@@ -445,20 +458,22 @@ class Estimator:
             kwargs["mode"] = mode
         if "config" in names:
             kwargs["config"] = self._config
-
-        def checked(result):
-            if not isinstance(result, tf.data.Dataset):
-                raise TypeError(
-                    "input_fn must return a tf.data.Dataset of (features, labels) batches (or of "
-                    "features alone for predict). TF1 input_fns returning tensors or queues: wrap "
-                    f"them in tf.data. Received: {type(result).__name__}"
-                )
-            return result
-
         if "input_context" in names:
+            kwargs["input_context"] = input_context
+        result = input_fn(**kwargs)
+        if not isinstance(result, tf.data.Dataset):
+            raise TypeError(
+                "input_fn must return a tf.data.Dataset of (features, labels) batches (or of "
+                "features alone for predict). TF1 input_fns returning tensors or queues: wrap "
+                f"them in tf.data. Received: {type(result).__name__}"
+            )
+        return result
+
+    def _dataset(self, input_fn: Callable, mode: str, strategy: tf.distribute.Strategy):
+        if "input_context" in _arg_names(input_fn):
             return strategy.distribute_datasets_from_function(
-                lambda ctx: checked(input_fn(input_context=ctx, **kwargs)))
-        dataset = checked(input_fn(**kwargs))
+                lambda ctx: self._input_dataset(input_fn, mode, ctx))
+        dataset = self._input_dataset(input_fn, mode)
         if strategy is tf.distribute.get_strategy():
             return dataset
         return strategy.experimental_distribute_dataset(dataset)
@@ -544,23 +559,91 @@ class Estimator:
                 return self
         strategy = self._strategy("train")
         graph = self._graph(strategy)
+        if _is_parameter_server(strategy):
+            return self._train_parameter_server(graph, input_fn, latest, steps, max_steps, saving_listeners)
         try:
             iterator = _Peeked(iter(self._dataset(input_fn, ModeKeys.TRAIN, strategy)))
         except StopIteration:
             logger.warning("input_fn returned an empty dataset; nothing to train on.")
             return self
         graph.build(ModeKeys.TRAIN, _first_local(strategy, iterator.first))
+        start = self._restore_for_training(graph, latest)
+        target = start + steps if steps is not None else max_steps
+        step_fn = self._train_function(graph)
+
+        def step_once() -> bool:
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                return False
+            step_fn(data)
+            return True
+
+        _TrainLoop(self, graph, target, list(saving_listeners or [])).run(step_once, graph.read_loss, start)
+        return self
+
+    def _restore_for_training(self, graph: _Graph, latest: str | None) -> int:
         if latest is not None:
             graph.restore(latest)
             logger.info("Restored %s (global step %d).", latest, int(graph.global_step.numpy()))
-        start = int(graph.global_step.numpy())
-        if max_steps is not None and start >= max_steps:
-            logger.warning("Skipping training: global step %d is already at or past max_steps=%d.",
-                           start, max_steps)
-            return self
+        return int(graph.global_step.numpy())
+
+    def _train_parameter_server(self, graph: _Graph, input_fn, latest, steps, max_steps, saving_listeners):
+        """Asynchronous training: the chief schedules steps; each worker reads its own input."""
+        if steps is None and max_steps is None:
+            raise ValueError(
+                "Under strategy 'parameter_server', Estimator.train needs steps or max_steps: every "
+                "worker reads its own copy of the input (make it repeat), so 'until the data ends' "
+                "is not defined. Received: steps=None, max_steps=None"
+            )
+        strategy = graph.strategy
+        coordinator = strategy.coordinator
+
+        def dataset_fn(input_context=None):
+            return self._input_dataset(input_fn, ModeKeys.TRAIN, input_context)
+
+        graph.build(ModeKeys.TRAIN, dataset_fn(tf.distribute.InputContext()).element_spec)
+        if graph.optimizer is None:
+            raise NotImplementedError(
+                "EstimatorSpec(train_op=...) under strategy 'parameter_server' is not supported: the "
+                "runner applies each worker's gradients to the ps variables itself. Return optimizer=.")
+        start = self._restore_for_training(graph, latest)
         target = start + steps if steps is not None else max_steps
-        _TrainLoop(self, graph, target, list(saving_listeners or [])).run(iterator, start)
+        iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        worker_fn = self._parameter_server_function(graph)
+        pending = []
+
+        def step_once() -> bool:
+            pending.append(coordinator.schedule(worker_fn, args=(iterator,)))
+            return True
+
+        def read_loss() -> tuple[float, float]:
+            losses = [float(r.fetch()) for r in pending]
+            pending.clear()
+            return sum(losses), float(len(losses))
+
+        _TrainLoop(self, graph, target, list(saving_listeners or [])).run(
+            step_once, read_loss, start, sync=coordinator.join)
         return self
+
+    def _parameter_server_function(self, graph: _Graph) -> Callable:
+        strategy, optimizer = graph.strategy, graph.optimizer
+        variables = graph.records[ModeKeys.TRAIN].trainable_variables
+
+        def replica_fn(data):
+            features, labels = _split(data)
+            with tf.GradientTape() as tape:
+                spec = graph.call_model_fn(features, labels, ModeKeys.TRAIN)
+            grads = ki.clip_gradients(optimizer, tape.gradient(spec.loss, variables))
+            return grads, spec.loss
+
+        def worker_fn(iterator):
+            grads, loss = strategy.run(replica_fn, args=(next(iterator),))
+            ki.apply_update_unsynchronized(optimizer, grads, variables)
+            graph.global_step.assign_add(1)
+            return loss
+
+        return tf.function(worker_fn, autograph=False)
 
     def _train_function(self, graph: _Graph) -> Callable:
         if ModeKeys.TRAIN in graph.functions:
@@ -817,7 +900,6 @@ class _TrainLoop:
         self.target = target
         self.listeners = listeners
         self.extended = graph.strategy.extended
-        self.step_fn = estimator._train_function(graph)
 
     def _manager(self, directory: str) -> tf.train.CheckpointManager:
         return tf.train.CheckpointManager(self.graph.checkpoint(), directory,
@@ -839,7 +921,16 @@ class _TrainLoop:
             shutil.rmtree(temp, ignore_errors=True)
         return None
 
-    def run(self, iterator, start: int) -> None:
+    def run(self, step_once: Callable[[], bool], read_loss: Callable[[], tuple], start: int,
+            sync: Callable[[], None] = lambda: None) -> None:
+        """Runs steps until the target step or the end of the data.
+
+        Args:
+            step_once: runs (or schedules) one step; `False` when the data ended.
+            read_loss: `(sum of loss * weight, sum of weights)` since the last call.
+            start: the global step training starts from.
+            sync: waits for scheduled steps (before a checkpoint is saved).
+        """
         cfg = self.config
         step = start
         writer = None
@@ -854,17 +945,14 @@ class _TrainLoop:
                     self.estimator.model_dir)
         try:
             while self.target is None or step < self.target:
-                try:
-                    data = next(iterator)
-                except (StopIteration, tf.errors.OutOfRangeError):
+                if not step_once():
                     logger.info("input_fn's data ended at global step %d.", step)
                     break
-                self.step_fn(data)
                 step += 1
                 log_due = cfg.log_step_count_steps and step % cfg.log_step_count_steps == 0
                 summary_due = cfg.save_summary_steps and step % cfg.save_summary_steps == 0
                 if log_due or summary_due:
-                    total, weight = self.graph.read_loss()
+                    total, weight = read_loss()
                     loss_total, loss_weight = loss_total + total, loss_weight + weight
                     now = time.monotonic()
                     rate = (step - tick_step) / max(now - tick_time, 1e-9)
@@ -884,11 +972,13 @@ class _TrainLoop:
                     # Workers' clocks differ; in a cluster, saves follow the step count.
                     and cfg.task_type is None
                 ):
+                    sync()
                     self.save(step)
                     last_save_step, last_save_time = step, time.monotonic()
         finally:
             if writer is not None:
                 writer.close()
+        sync()
         if step != last_save_step or self.estimator.latest_checkpoint() is None:
             self.save(step)
         logger.info("Training finished at global step %d.", step)

@@ -115,11 +115,16 @@ class _Evaluation:
         self.spec = eval_spec
         self.exporters = _exporters(eval_spec)
         self.last_result: dict | None = None
+        self.last_path: str | None = None
         self.export_results: list[str] = []
 
     def __call__(self, checkpoint_path: str, final: bool) -> dict:
-        result = self.estimator.evaluate(self.spec.input_fn, steps=self.spec.steps,
-                                         checkpoint_path=checkpoint_path, name=self.spec.name)
+        if checkpoint_path == self.last_path and self.last_result is not None:
+            result = self.last_result  # already evaluated: only the final exports remain
+        else:
+            result = self.estimator.evaluate(self.spec.input_fn, steps=self.spec.steps,
+                                             checkpoint_path=checkpoint_path, name=self.spec.name)
+        self.last_path = checkpoint_path
         for exporter in self.exporters:
             base = os.path.join(self.estimator.model_dir, "export", exporter.name)
             path = exporter.export(self.estimator, base, checkpoint_path, result, final)
