@@ -294,3 +294,29 @@ def test_tutorial_example_trains_under_launch_and_workers_agree(tmp_path, capsys
     assert not [p for p in os.listdir(tmp_path) if p.startswith("tfdist_")]
     restored = keras.saving.load_model(model_dir / "model.keras")
     assert restored.optimizer.iterations.numpy() == 12
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [("file", "FILE"), ("data", "DATA"), ("off", "OFF")],
+)
+def test_auto_shard_option_sets_the_dataset_policy(policy, expected):
+    from tfdist.strategies.multi_worker import _with_shard_policy
+
+    ds = tf.data.Dataset.range(8).batch(2)
+    sharded = _with_shard_policy(ds, policy)
+    assert sharded.options().experimental_distribute.auto_shard_policy == getattr(
+        tf.data.experimental.AutoShardPolicy, expected
+    )
+
+
+def test_auto_shard_auto_keeps_the_datasets_own_policy():
+    # Keras sets DATA on the datasets it builds from arrays; "auto" leaves it.
+    from tfdist.strategies.multi_worker import _with_shard_policy
+
+    opts = tf.data.Options()
+    opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    ds = tf.data.Dataset.range(8).with_options(opts)
+    assert _with_shard_policy(ds, "auto").options().experimental_distribute.auto_shard_policy == (
+        tf.data.experimental.AutoShardPolicy.DATA
+    )
