@@ -35,6 +35,15 @@ from tfdist.registry import PresetError, from_config, get_strategy, register, st
 
 _keras_integration.install()
 
+
+def __getattr__(name: str):
+    # `tfdist.estimator` (the Estimator-style runner) is imported on first use.
+    if name == "estimator":
+        import importlib
+
+        return importlib.import_module("tfdist.estimator")
+    raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+
 __all__ = [
     "ClusterConfigError",
     "OptionError",
@@ -44,6 +53,7 @@ __all__ = [
     "configure_local_devices",
     "data",
     "datasets",
+    "estimator",
     "from_config",
     "get_strategy",
     "memory_report",
