@@ -158,3 +158,16 @@ def test_variables_must_be_the_same_on_every_call(tmp_path, digits):
         "model_fn must create the same variables on every call (build layers unconditionally, in the same order)."
     )):
         _train(tmp_path, grows, digits, max_steps=1)
+
+
+def test_sharded_optimizer_is_refused_with_the_alternative(tmp_path, digits):
+    import tfdist
+
+    estimator = est.Estimator(model_fn, model_dir=str(tmp_path), params={}, config=est.RunConfig(
+        train_distribute=tfdist.get_strategy("sharded_optimizer", devices=["/cpu:0", "/cpu:1"])))
+    with pytest.raises(NotImplementedError, match=re.escape(
+        "Strategy 'sharded_optimizer' is not supported by tfdist.estimator yet: it shards the optimizer "
+        "state of a compiled Keras model (model.compile), and a model_fn has none. Use "
+        "train_distribute='mirrored' (same replicas, full optimizer state per device)."
+    )):
+        estimator.train(input_fn_for(digits[0][:64], digits[1][:64]), max_steps=1)

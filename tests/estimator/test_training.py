@@ -85,3 +85,25 @@ def test_chief_workers_ps_and_evaluator_under_tfdist_launch_then_resume_locally(
     log = caplog.text
     assert f"Restored {model_dir}/model.ckpt-200 (global step 200)." in log
     assert "Training from global step 200 to 250" in log
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_multi_worker_job_trains_in_step_and_only_the_chief_writes(tmp_path, capfd):
+    model_dir = str(tmp_path / "model")
+    status = run_job(
+        [sys.executable, EXAMPLE, "--model-dir", model_dir, "--max-steps", "60", "--save-checkpoints-steps", "30"],
+        workers=2, evaluator=True, env={"TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=240,
+    )
+    out = capfd.readouterr().out
+    assert status == 0, out[-3000:]
+    losses = {w: [line.split("loss = ")[1].split(" ")[0] for line in out.splitlines()
+                  if line.startswith(f"[worker:{w}]") and "global step 50/60: loss = " in line] for w in (0, 1)}
+    # Synchronous: both workers saw the same global batches and report the same loss.
+    assert len(losses[0]) == 1 and losses[0] == losses[1]
+    saved = [line.split("]")[0] for line in out.splitlines() if "Saved checkpoint for global step" in line]
+    assert saved == ["[worker:0", "[worker:0"]
+    assert sorted(f for f in os.listdir(model_dir) if f.endswith(".index")) == ["model.ckpt-30.index", "model.ckpt-60.index"]
+    assert "[evaluator:0] final evaluation: " in out
+    final = json.loads(out.split("[evaluator:0] final evaluation: ")[1].splitlines()[0])
+    assert final["global_step"] == 60

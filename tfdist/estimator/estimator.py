@@ -559,6 +559,12 @@ class Estimator:
                 return self
         strategy = self._strategy("train")
         graph = self._graph(strategy)
+        if getattr(strategy, "name", None) == "sharded_optimizer":
+            raise NotImplementedError(
+                "Strategy 'sharded_optimizer' is not supported by tfdist.estimator yet: it shards the "
+                "optimizer state of a compiled Keras model (model.compile), and a model_fn has none. "
+                "Use train_distribute='mirrored' (same replicas, full optimizer state per device)."
+            )
         if _is_parameter_server(strategy):
             return self._train_parameter_server(graph, input_fn, latest, steps, max_steps, saving_listeners)
         try:
