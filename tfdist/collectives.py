@@ -159,42 +159,40 @@ def reduce_to_device(strategy, packed: Sequence, plan: BucketPlan, destination: 
         return plan.unpack([strategy.experimental_local_results(r)[0] for r in reduced])
 
 
-def _chunk_bounds(layout, bucket_bytes: int) -> list[tuple[int, int]]:
-    """Chunks of the padded flat vector: at most `bucket_bytes`, never across a shard edge."""
-    step = max(1, bucket_bytes // 4) if bucket_bytes > 0 else layout.shard_size
-    bounds = []
-    for shard in range(layout.num_shards):
-        lo, hi = layout.shard_range(shard)
-        for start in range(lo, hi, step):
-            bounds.append((start, min(hi, start + step)))
-    return bounds
+def reduce_scatter_sum(grads: Sequence, layout, bucket_bytes: int):
+    """Sums `grads` over replicas; returns this replica's slice of their flat layout.
 
-
-def reduce_scatter_sum(flat, layout, bucket_bytes: int):
-    """Sums the padded flat vector `flat` over replicas; returns this replica's slice.
-
-    Call in replica context. `layout` is the `tfdist.sharding.FlatLayout` the
-    vector was flattened with; replica `r` receives elements
-    `layout.shard_range(r)` of the sum.
+    Call in replica context. `layout` is the `tfdist.sharding.FlatLayout` of
+    `grads` (one tensor, or `None`, per variable); replica `r` receives
+    elements `layout.shard_range(r)` of the summed, flattened, zero-padded
+    gradient: a float32 vector of `layout.shard_size` elements.
 
     TensorFlow 2.21 has a `CollectiveReduceScatterV2` op but no CPU
     implementation of it ("CollectiveRegistry::Lookup did not find collective
     implementation", see `tests/strategies/test_sharded_optimizer.py`), so the
-    reduction runs as fused all-reduces of chunks of at most `bucket_bytes`
-    that never straddle two replicas' slices, each replica keeping the chunks
-    of its own slice: the result is exactly a reduce-scatter; the traffic is
-    an all-reduce's.
+    reduction runs as all-reduces of chunks — each replica's slice, cut into
+    pieces of at most `bucket_bytes` (0: one piece per slice) — and each
+    replica keeps the chunks of its own slice: the result is exactly a
+    reduce-scatter; the traffic is an all-reduce's.
     """
+    from tfdist.sharding import gather_shard
+
     ctx = tf.distribute.get_replica_context()
     if ctx is None:
         raise RuntimeError("reduce_scatter_sum must be called in replica context (inside strategy.run).")
     replica = tf.get_static_value(ctx.replica_id_in_sync_group)
-    bounds = _chunk_bounds(layout, bucket_bytes)
-    chunks = [flat[a:b] for a, b in bounds]
+    step = max(1, bucket_bytes // 4) if bucket_bytes > 0 else layout.shard_size
+    chunks, owners = [], []
+    for shard in range(layout.num_shards):
+        values = gather_shard(layout, grads, shard)
+        for start in range(0, layout.shard_size, step):
+            chunks.append(values[start:start + step] if step < layout.shard_size else values)
+            owners.append(shard)
     trace_counter["reduce_scatter"] = trace_counter.get("reduce_scatter", 0) + len(chunks)
-    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, chunks)
-    lo, hi = layout.shard_range(replica)
-    mine = [r for (a, b), r in zip(bounds, reduced) if lo <= a and b <= hi]
+    # One collective per chunk, as TensorFlow would otherwise concatenate them all.
+    options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=1)
+    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, chunks, options=options)
+    mine = [r for r, owner in zip(reduced, owners) if owner == replica]
     return mine[0] if len(mine) == 1 else tf.concat(mine, axis=0)
 
 

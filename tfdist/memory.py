@@ -97,11 +97,13 @@ def _gradient_buffers(model, sharded) -> dict[str, int]:
     trainable = model.trainable_variables
     if sharded is not None and sharded.layout is not None:
         layout = sharded.layout
+        devices = [_device(p) for p in _parts(sharded.flat)]
+        if sharded.gradient_buffer_bytes is not None:  # recorded when the step was traced
+            return {d: sharded.gradient_buffer_bytes for d in devices}
         # Stage 1 all-reduces each gradient; stage 2's reduce-scatter runs as
         # chunked all-reduces of the padded flat vector (see
         # tfdist.collectives.reduce_scatter_sum).
         per_replica = layout.total * 4 if sharded.strategy.stage == 1 else (layout.total + layout.padding) * 4
-        devices = [_device(p) for p in _parts(sharded.flat)]
         return {d: per_replica for d in devices}
     parameter_device = getattr(strategy, "parameter_device", None)
     out: dict[str, int] = {}

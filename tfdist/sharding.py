@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -96,31 +96,13 @@ class FlatLayout:
         return out
 
     # Tensors ----------------------------------------------------------------
-    def flatten(self, tensors: Sequence) -> tf.Tensor:
-        """The padded flat float32 vector of `tensors` (`None` counts as zeros)."""
-        parts = []
-        for t, shape, size in zip(tensors, self.shapes, self.sizes):
-            if t is None:
-                parts.append(tf.zeros([size], tf.float32))
-                continue
-            if isinstance(t, tf.IndexedSlices):
-                t = tf.convert_to_tensor(t)
-            parts.append(tf.reshape(tf.cast(t, tf.float32), [size]))
-        if self.padding:
-            parts.append(tf.zeros([self.padding], tf.float32))
-        return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
-
-    def unflatten(self, flat, dtypes: Optional[Sequence] = None) -> list:
+    def unflatten(self, flat, dtypes: Sequence | None = None) -> list:
         """Inverse of `flatten`: one tensor per variable, cast to `dtypes` if given."""
         pieces = tf.split(flat[: self.total], list(self.sizes)) if len(self.sizes) > 1 else [flat[: self.total]]
         out = [tf.reshape(p, s) for p, s in zip(pieces, self.shapes)]
         if dtypes is not None:
             out = [tf.cast(t, d) if t.dtype != d else t for t, d in zip(out, dtypes)]
         return out
-
-    def shard(self, flat, shard: int):
-        lo, hi = self.shard_range(shard)
-        return flat[lo:hi]
 
     def flatten_numpy(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         flat = np.zeros([self.shard_size * self.num_shards], np.float32)
@@ -150,7 +132,7 @@ class FlatLayout:
             lengths.append(self.shard_size - position)
         return tf.repeat(tf.constant(ids, tf.int32), tf.constant(lengths, tf.int32))
 
-    def mask(self, shard: int, selected: Sequence[bool]) -> Optional[tf.Tensor]:
+    def mask(self, shard: int, selected: Sequence[bool]) -> tf.Tensor | None:
         """float32 `[S]`: 1 where the element's variable is selected, else 0.
 
         Returns `None` when every variable in the slice is selected (no mask
@@ -172,10 +154,11 @@ class FlatLayout:
 
 
 def gather_shard(layout: FlatLayout, tensors: Sequence, shard: int) -> tf.Tensor:
-    """`layout.shard(layout.flatten(tensors), shard)` without building the whole flat vector.
+    """Replica `shard`'s slice of `tensors` flattened, concatenated and zero-padded.
 
-    Only the pieces of `shard`'s slice are read, so a replica materialises
-    `S` elements, not `P`.
+    Only the pieces inside the slice are read, so a replica materialises `S`
+    elements, not `P`. `None` entries count as zeros; sparse gradients
+    (`tf.IndexedSlices`) are densified first.
     """
     parts = []
     position = 0

@@ -38,6 +38,14 @@ def train(strategy, optimizer_fn, x, y, kind="sequential", epochs=1, **fit_kwarg
     return model
 
 
+def built(strategy, optimizer_fn):
+    """A model compiled in `strategy`'s scope with its optimizer built, as `fit` would build it."""
+    with strategy.scope():
+        model = build_model(optimizer=optimizer_fn())
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
 def canonical(model) -> list:
     """The optimizer state as a single-device optimizer lays it out."""
     state = ki.sharded_state(model.optimizer)
@@ -283,7 +291,7 @@ def test_mirrored_weights_file_loads_into_sharded_model(tmp_path, data10):
     mirrored = train(tfdist.get_strategy("mirrored", devices=DEVICES[2]), adam, x, y)
     path = str(tmp_path / "mirrored.weights.h5")
     mirrored.save_weights(path)
-    model = train(sharded(4, stage=2), adam, x[:32], y[:32])
+    model = built(sharded(3, stage=2), adam)  # 3 replicas: uneven slices, padded
     model.load_weights(path)
     assert max_relative_difference(mirrored.get_weights(), model.get_weights()) == 0.0
     assert max_relative_difference(canonical(mirrored), canonical(model)) == 0.0
@@ -301,11 +309,16 @@ def test_tf_train_checkpoint_is_canonical_both_ways(tmp_path, data10):
     assert tf.train.list_variables(written) == tf.train.list_variables(single_path)
     tf.train.Checkpoint(model=single).read(written).assert_consumed()
     assert max_relative_difference(canonical(model), canonical(single)) == 0.0
-    other = train(sharded(2, stage=1), adam, x[:32], y[:32])
+    other = built(sharded(2, stage=1), adam)
     tf.train.Checkpoint(model=other).read(single_path).assert_consumed()
     assert other.optimizer.iterations.numpy() == 1
     assert max_relative_difference(single_state, canonical(other)) == 0.0
     assert max_relative_difference(single_weights, other.get_weights()) == 0.0
+    # Training resumes from the restored state.
+    reference = train(None, adam, x[:32], y[:32])
+    for m in (reference, other):
+        m.fit(x[32:96], y[32:96], batch_size=32, shuffle=False, verbose=0)
+    assert max_relative_difference(reference.get_weights(), other.get_weights()) < 1e-5
 
 
 def test_model_checkpoint_and_backup_and_restore_resume_on_another_replica_count(tmp_path, data10):
@@ -342,7 +355,7 @@ def test_model_checkpoint_and_backup_and_restore_resume_on_another_replica_count
 
 def test_checkpoint_of_another_optimizer_raises_and_leaves_the_model_untouched(tmp_path, data10):
     x, y = data10
-    model = train(sharded(2, stage=2), lambda: keras.optimizers.Adam(1e-3), x[:64], y[:64])
+    model = built(sharded(2, stage=2), lambda: keras.optimizers.Adam(1e-3))
     other = train(None, lambda: keras.optimizers.SGD(0.1, momentum=0.9), x[:64], y[:64])
     path = str(tmp_path / "other.weights.h5")
     other.save_weights(path)
@@ -394,3 +407,13 @@ def test_native_reduce_scatter_has_no_cpu_implementation():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert "REDUCE_SCATTER_FAILED" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "did not find collective implementation" in out.stdout
+
+
+def test_several_workers_are_refused_rather_than_trained_apart(monkeypatch):
+    tf_config = '{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "task": {"type": "worker", "index": 0}}'
+    monkeypatch.setenv("TF_CONFIG", tf_config)
+    with pytest.raises(NotImplementedError, match=(
+        r"The 'sharded_optimizer' strategy runs on the devices of one host; TF_CONFIG \(2 workers\) "
+        r"asks for several workers, which it does not support yet."
+    )):
+        tfdist.get_strategy("sharded_optimizer")

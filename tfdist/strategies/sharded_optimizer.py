@@ -29,7 +29,9 @@ strategy, mirrored, one device and other replica counts.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import json
+import os
+from typing import Sequence
 
 import keras
 import numpy as np
@@ -105,9 +107,10 @@ class ShardedOptimizerStrategy(MirroredStrategy):
     PARAMS = {"stage": STAGE, "devices": options_lib.DEVICES}
     gradient_path = "sharded_optimizer"
 
-    def __init__(self, stage: int = 1, devices: Optional[Sequence[str]] = None, **options):
+    def __init__(self, stage: int = 1, devices: Sequence[str] | None = None, **options):
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"Argument 'stage' must be 1 or 2. Received: stage={stage!r}")
+        _refuse_multi_worker(options.pop("cluster_resolver", None))
         super().__init__(devices=devices, stage=stage, **options)
         self.stage = stage
         ki.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
@@ -159,6 +162,25 @@ class ShardedOptimizerStrategy(MirroredStrategy):
         ki.guard_load_weights(model, lambda: state.snapshot(model), lambda saved: state.restore(model, saved))
 
 
+def _refuse_multi_worker(cluster_resolver) -> None:
+    """Raises rather than let each worker of a TF_CONFIG job train on its own."""
+    tasks = 0
+    raw = os.environ.get("TF_CONFIG", "")
+    if raw:
+        try:
+            cluster = json.loads(raw).get("cluster", {})
+            tasks = sum(len(v) for k, v in cluster.items() if k in ("chief", "worker"))
+        except (ValueError, AttributeError):
+            tasks = 0
+    if cluster_resolver is not None or tasks > 1:
+        where = "cluster_resolver=" if cluster_resolver is not None else f"TF_CONFIG ({tasks} workers)"
+        raise NotImplementedError(
+            f"The 'sharded_optimizer' strategy runs on the devices of one host; {where} asks for "
+            "several workers, which it does not support yet. Use the 'multi_worker' strategy "
+            "across workers, or run one process per host without TF_CONFIG."
+        )
+
+
 class ShardedState:
     """The sharded side of one Keras optimizer: layout, flat slice variable, canonical state.
 
@@ -177,13 +199,13 @@ class ShardedState:
     def __init__(self, strategy: ShardedOptimizerStrategy, optimizer):
         self.strategy = strategy
         self.optimizer = optimizer
-        self.layout: Optional[FlatLayout] = None
+        self.layout: FlatLayout | None = None
         self.flat = None
         self.variables: list = []
         self.entries: list = []
         self.slots: dict = {}
-        self.decay: Optional[list] = None
-        self.gradient_buffer_bytes: Optional[int] = None
+        self.decay: list | None = None
+        self.gradient_buffer_bytes: int | None = None
 
     # Hooks installed on the optimizer ---------------------------------------
     def build(self, variables) -> None:
@@ -400,11 +422,10 @@ class ShardedState:
             shard = gather_shard(self.layout, summed[:-1], replica)
             total = summed[-1]
         else:
-            flat = self.layout.flatten(values[:-1])
-            shard = collectives.reduce_scatter_sum(flat, self.layout, bucket_bytes)
+            shard = collectives.reduce_scatter_sum(values[:-1], self.layout, bucket_bytes)
             # The fallback reduce-scatter all-reduces every chunk: the reduced
-            # outputs it materialises cover the whole flat vector.
-            held = int(flat.shape[0]) * 4
+            # outputs it materialises cover the whole padded flat vector.
+            held = self.layout.shard_size * self.layout.num_shards * 4
             total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values[-1])
         self.gradient_buffer_bytes = held
         return [shard, total]
