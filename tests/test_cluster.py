@@ -214,8 +214,8 @@ def test_slurm_outside_a_job_step_says_how(monkeypatch):
     with pytest.raises(ClusterConfigError) as e:
         from_slurm()
     assert str(e.value) == (
-        "Slurm job step: cannot read the job from the Slurm environment: SLURM_PROCID not found in "
-        "environment. Not running inside a SLURM step?. Run the script with `srun` inside an "
+        "Slurm job step: cannot read the job from the Slurm environment (SLURM_PROCID not found in "
+        "environment. Not running inside a SLURM step?). Run the script with `srun` inside an "
         "allocation (sbatch/salloc), which sets SLURM_PROCID, SLURM_STEP_NUM_TASKS, "
         "SLURM_STEP_NODELIST and SLURM_STEP_TASKS_PER_NODE."
     )

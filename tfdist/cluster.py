@@ -302,7 +302,7 @@ def _slurm_resolver(jobs, port_base):
         )
     except (RuntimeError, KeyError, ValueError) as e:
         raise ClusterConfigError(
-            f"Slurm job step: cannot read the job from the Slurm environment: {e}. Run the script "
+            f"Slurm job step: cannot read the job from the Slurm environment ({str(e).rstrip('.')}). Run the script "
             "with `srun` inside an allocation (sbatch/salloc), which sets SLURM_PROCID, "
             "SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST and SLURM_STEP_TASKS_PER_NODE."
         ) from None
