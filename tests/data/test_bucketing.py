@@ -75,6 +75,37 @@ def test_boundaries_none_are_quantiles_of_a_sample(examples):
     assert tfdist.data.quantile_boundaries([3, 5, 8, 9, 20], 2) == (8, 20)
 
 
+def padded_positions(lengths, boundaries):
+    edges = np.asarray(boundaries)
+    return int(sum(edges[np.searchsorted(edges, n)] for n in lengths))
+
+
+def test_min_padding_boundaries_pad_least_of_all_choices(examples):
+    import itertools
+
+    lengths = [len(ids) for ids, _ in examples[:80]]
+    values = sorted(set(lengths))
+    chosen = tfdist.data.min_padding_boundaries(lengths, 3)
+    brute = min(
+        padded_positions(lengths, list(inner) + [values[-1]]) for inner in itertools.combinations(values[:-1], 2)
+    )
+    assert len(chosen) == 3 and chosen[-1] == max(lengths)
+    assert padded_positions(lengths, chosen) == brute
+    assert padded_positions(lengths, chosen) < padded_positions(lengths, tfdist.data.quantile_boundaries(lengths, 3))
+
+
+def test_boundary_method_min_padding_is_used_when_boundaries_are_none(examples):
+    batches = tfdist.data.bucket_by_length(
+        dataset_of(examples), global_batch_size=8, num_buckets=3, sample_size=80, boundary_method="min_padding"
+    )
+    assert batches.boundaries == tfdist.data.min_padding_boundaries([len(ids) for ids, _ in examples[:80]], 3)
+    with pytest.raises(ValueError) as info:
+        tfdist.data.bucket_by_length(dataset_of(examples), global_batch_size=8, boundary_method="optimal")
+    assert str(info.value) == (
+        "Argument 'boundary_method' must be 'quantiles' or 'min_padding'. Received: boundary_method='optimal'"
+    )
+
+
 def test_too_long_error_names_the_length(examples):
     batches = tfdist.data.bucket_by_length(dataset_of(examples), boundaries=[4], global_batch_size=2, too_long="error")
     with pytest.raises(

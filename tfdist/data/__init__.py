@@ -14,8 +14,14 @@ host loop in `tfdist.engine.loop`.
 
 from __future__ import annotations
 
-from tfdist.data.bucketing import bucket_by_length, quantile_boundaries
+from tfdist.data.bucketing import bucket_by_length, min_padding_boundaries, quantile_boundaries
 from tfdist.data.dataset_fn import DatasetFn
 from tfdist.data.transfer import TransferManager
 
-__all__ = ["DatasetFn", "TransferManager", "bucket_by_length", "quantile_boundaries"]
+__all__ = [
+    "DatasetFn",
+    "TransferManager",
+    "bucket_by_length",
+    "min_padding_boundaries",
+    "quantile_boundaries",
+]

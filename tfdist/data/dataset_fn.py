@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Union
 
 import tensorflow as tf
 
@@ -41,11 +41,11 @@ class DatasetFn:
         self.fn = fn
 
     @classmethod
-    def wrap(cls, fn: Union["DatasetFn", Callable[[tf.distribute.InputContext], tf.data.Dataset]]) -> "DatasetFn":
+    def wrap(cls, fn: Union[DatasetFn, Callable[[tf.distribute.InputContext], tf.data.Dataset]]) -> DatasetFn:
         """Returns `fn` if it is a `DatasetFn`, else a `DatasetFn` around the callable."""
         return fn if isinstance(fn, DatasetFn) else cls(fn)
 
-    def __call__(self, input_context: Optional[tf.distribute.InputContext] = None) -> tf.data.Dataset:
+    def __call__(self, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
         """Builds the dataset of one input pipeline (default context: the only pipeline)."""
         dataset = self.fn(input_context if input_context is not None else tf.distribute.InputContext())
         if not isinstance(dataset, tf.data.Dataset):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import tensorflow as tf
 
 
@@ -55,12 +53,12 @@ class TransferManager:
         self.enabled = enabled
 
     @classmethod
-    def from_options(cls, options) -> "TransferManager":
+    def from_options(cls, options) -> TransferManager:
         """The manager a strategy's step options (`transfer`, `prefetch_depth`) describe."""
         return cls(prefetch_depth=options.prefetch_depth, enabled=options.transfer)
 
     def input_options(
-        self, options: Optional[tf.distribute.InputOptions] = None
+        self, options: tf.distribute.InputOptions | None = None
     ) -> tf.distribute.InputOptions:
         """The `tf.distribute.InputOptions` to distribute a dataset with.
 
