@@ -171,3 +171,28 @@ def test_sharded_optimizer_is_refused_with_the_alternative(tmp_path, digits):
         "train_distribute='mirrored' (same replicas, full optimizer state per device)."
     )):
         estimator.train(input_fn_for(digits[0][:64], digits[1][:64]), max_steps=1)
+
+
+def test_model_built_outside_model_fn_is_refused(tmp_path, digits):
+    outside = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+
+    def uses_global_model(features, labels, mode):
+        return est.EstimatorSpec(mode, loss=LOSS(labels, outside(features)), optimizer=keras.optimizers.SGD(0.1))
+
+    with pytest.raises(ValueError, match=re.escape(
+        "model_fn created no trainable variables in TRAIN mode, so there is nothing to train. Build the "
+        "Keras layers (or tf.Variables) inside model_fn: variables made outside it are neither placed by "
+        "the strategy nor saved in model_dir's checkpoints."
+    )):
+        _train(tmp_path, uses_global_model, digits, max_steps=1)
+
+
+def test_invalid_tf_config_is_named(monkeypatch):
+    from tfdist.cluster import ClusterConfigError
+
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ClusterConfigError, match=re.escape(
+        "TF_CONFIG: is not valid JSON (Expecting property name enclosed in double quotes at line 1 "
+        "column 2). Received: TF_CONFIG='{not json'"
+    )):
+        est.RunConfig()

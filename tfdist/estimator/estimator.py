@@ -251,6 +251,12 @@ class _Graph:
             tf.function(trace, autograph=False).get_concrete_function(feature_specs, label_specs)
             spec = built[0]
             self.specs[mode] = spec
+            if mode == ModeKeys.TRAIN and not self.records[mode].trainable_variables:
+                raise ValueError(
+                    "model_fn created no trainable variables in TRAIN mode, so there is nothing to "
+                    "train. Build the Keras layers (or tf.Variables) inside model_fn: variables made "
+                    "outside it are neither placed by the strategy nor saved in model_dir's checkpoints."
+                )
             if mode == ModeKeys.TRAIN and spec.optimizer is not None and self.optimizer is None:
                 self.optimizer = spec.optimizer
                 self.optimizer.build(self.records[mode].trainable_variables)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable, Union
 
@@ -36,17 +35,16 @@ def _check_strategy(name: str, value: Any) -> StrategyLike:
 def task_from_tf_config() -> tuple[str | None, int, dict]:
     """`(task type, task index, cluster dict)` from the TF_CONFIG environment variable.
 
-    `(None, 0, {})` when TF_CONFIG is unset or names no task: a local run.
+    `(None, 0, {})` when TF_CONFIG is unset: a local run. A TF_CONFIG that is
+    set is validated by `tfdist.cluster.parse_tf_config` (which raises
+    `ClusterConfigError` naming the bad field).
     """
-    raw = os.environ.get("TF_CONFIG", "").strip()
-    if not raw:
+    if not os.environ.get("TF_CONFIG", "").strip():
         return None, 0, {}
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"TF_CONFIG is not valid JSON ({e.msg}). Received: TF_CONFIG={raw!r}") from None
-    task = data.get("task") or {}
-    return task.get("type"), int(task.get("index", 0)), dict(data.get("cluster") or {})
+    from tfdist.cluster import parse_tf_config
+
+    config = parse_tf_config()
+    return config.task_type, config.task_id, {job: list(addrs) for job, addrs in config.cluster.items()}
 
 
 class RunConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -272,17 +273,21 @@ def _run_evaluator(estimator, train_spec, eval_spec):
     os.makedirs(eval_dir, exist_ok=True)
     heartbeat = os.path.join(eval_dir, HEARTBEAT_FILE)
 
-    def beat():
-        with open(heartbeat, "w") as f:
-            f.write(str(os.getpid()))
+    stop = threading.Event()
 
-    beat()
+    def beat():
+        # A thread, so that a long evaluation still shows the evaluator alive.
+        while not stop.is_set():
+            with open(heartbeat, "w") as f:
+                f.write(str(os.getpid()))
+            stop.wait(HEARTBEAT_STALE_SECS / 6)
+
+    threading.Thread(target=beat, daemon=True).start()
     if eval_spec.start_delay_secs:
         time.sleep(eval_spec.start_delay_secs)
     last_path, last_time = None, -float("inf")
     try:
         while True:
-            beat()
             path = estimator.latest_checkpoint()
             done = _read_json(os.path.join(estimator.model_dir, TRAINING_DONE_FILE))
             if path is not None and path != last_path:
@@ -297,6 +302,7 @@ def _run_evaluator(estimator, train_spec, eval_spec):
                         return evaluation.last_result, evaluation.export_results
             time.sleep(0.5)
     finally:
+        stop.set()
         try:
             os.remove(heartbeat)
         except FileNotFoundError:
