@@ -190,6 +190,45 @@ def test_set_weights_between_fits_is_where_training_resumes(data10):
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
 
 
+def test_steps_per_execution_and_accumulation_compose_with_the_sharded_path(data10):
+    # Accumulating 2 micro-batches of 32 is one step of 64 on one device.
+    x, y = data10
+    adam = lambda: keras.optimizers.Adam(1e-3)  # noqa: E731
+    reference = build_model(optimizer=adam())
+    reference.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+    with sharded(2, stage=2, accumulation_steps=2).scope():
+        model = build_model(optimizer=adam(), steps_per_execution=3)
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert model.optimizer.iterations.numpy() == 5
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
+    assert model.evaluate(x, y, verbose=0) == pytest.approx(reference.evaluate(x, y, verbose=0), rel=1e-5)
+
+
+def test_embedding_sparse_gradients_are_sharded_like_dense_ones():
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 50, size=(128, 6)).astype("int32")
+    labels = (tokens.sum(axis=1) % 2).astype("int32")
+
+    def build():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential(
+            [keras.Input((6,), dtype="int32"), keras.layers.Embedding(50, 8),
+             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5, momentum=0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    reference = build()
+    reference.fit(tokens, labels, batch_size=32, shuffle=False, verbose=0)
+    with sharded(4, stage=1).scope():
+        model = build()
+    model.fit(tokens, labels, batch_size=32, shuffle=False, verbose=0)
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
+
+
 # Refused configurations -------------------------------------------------------
 
 

@@ -416,9 +416,8 @@ class ShardedState:
         bucket_bytes = step.options.bucket_bytes
         if self.strategy.stage == 1:
             summed = collectives.all_reduce_sum(values, bucket_bytes)
-            held = sum(
-                int(np.prod(g.shape)) * 4 for g in summed[:-1] if g is not None
-            )
+            # Every reduced gradient (a sparse one once densified) has its variable's size.
+            held = self.layout.total * 4
             shard = gather_shard(self.layout, summed[:-1], replica)
             total = summed[-1]
         else:
