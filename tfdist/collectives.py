@@ -22,7 +22,11 @@ import tensorflow as tf
 
 # Every reduction this module issues is counted at trace time, so tests can
 # assert how many collectives one step contains without timing anything.
+# `all_reduce` counts per replica (each replica traces its own call);
+# `reduce_to` counts once per step (a cross-replica call).
 trace_counter = {"all_reduce": 0, "reduce_to": 0}
+
+_ONE_COLLECTIVE_PER_BUFFER = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +139,10 @@ def all_reduce_sum(values: Sequence, bucket_bytes: int) -> list:
     plan = BucketPlan.build(values, bucket_bytes)
     packed = plan.pack(values)
     trace_counter["all_reduce"] += len(packed)
-    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed)
+    # TensorFlow's own batching would concatenate every tensor of one call into
+    # a single collective (bytes_per_pack=0); a 1-byte pack limit makes it send
+    # each of our buffers as it is, so buckets alone decide the fusion.
+    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed, options=_ONE_COLLECTIVE_PER_BUFFER)
     return plan.unpack(reduced)
 
 

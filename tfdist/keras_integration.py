@@ -1289,3 +1289,8 @@ def guard_load_weights(model, snapshot_fn, restore_fn) -> None:
             raise
 
     object.__setattr__(model, "load_weights", load_weights)
+
+
+def all_layers(model) -> list:
+    """Every layer of `model`, nested ones included (Keras's private `_flatten_layers`)."""
+    return list(model._flatten_layers(include_self=False))

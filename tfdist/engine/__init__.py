@@ -17,8 +17,11 @@ def validate_compiled_model(model) -> None:
     optimizer = model.optimizer
     if optimizer is None:
         return
-    options = model.distribute_strategy.options
+    strategy = model.distribute_strategy
+    options = strategy.options
     keras_steps = ki.keras_accumulation_steps(optimizer)
+    if strategy.gradient_path == "parameter_server":
+        _validate_parameter_server(model, options)
     if keras_steps and options.accumulation_steps > 1:
         raise NotImplementedError(
             "Gradient accumulation is set twice: Optimizer(gradient_accumulation_steps="
@@ -40,6 +43,26 @@ def validate_compiled_model(model) -> None:
                 "per replica, and the engine's step features do not reach into it. "
                 "Drop the custom train_step or the feature."
             )
+
+
+def _validate_parameter_server(model, options) -> None:
+    # Workers step asynchronously, each on its own batch: there is no global
+    # batch to accumulate over, to synchronise statistics over, or to compile
+    # collectives around. (LossScaleOptimizer and Keras's accumulation are
+    # refused by tfdist.engine.parameter_server itself.)
+    unsupported = []
+    if options.accumulation_steps > 1:
+        unsupported.append(f"accumulation_steps={options.accumulation_steps}")
+    if options.jit_compile or model.jit_compile is True:
+        unsupported.append("jit_compile=True")
+    if any(getattr(layer, "synchronized", False) for layer in ki.all_layers(model)):
+        unsupported.append("BatchNormalization(synchronized=True)")
+    if unsupported:
+        raise NotImplementedError(
+            f"{unsupported[0]} under strategy 'parameter_server' is not supported: workers "
+            "update the variables asynchronously, one batch at a time, with no global batch. "
+            "Use a synchronous strategy (mirrored, multi_worker, ...) for this feature."
+        )
 
 
 def make_train_function(model):

@@ -164,17 +164,26 @@ class DynamicLossScale(GradientTransformation):
         return _map(lambda g: g / tf.cast(scale, g.dtype), grads)
 
     def all_finite(self, grads: list):
+        """Cross-replica context: True when every replica's every gradient is finite.
+
+        Each replica's values are checked on its own device and only the
+        booleans meet, so the check also holds when replicas hold different
+        slices of the gradient (a sharded update), not only identical sums.
+        """
         strategy = tf.distribute.get_strategy()
         checks = []
         for g in grads:
             if g is None:
                 continue
-            if isinstance(g, tf.distribute.DistributedValues):
-                # Every replica holds the same sum; the first one decides for all.
-                g = strategy.experimental_local_results(g)[0]
-            if isinstance(g, tf.IndexedSlices):
-                g = g.values
-            checks.append(tf.reduce_all(tf.math.is_finite(g)))
+            parts = (
+                strategy.experimental_local_results(g)
+                if isinstance(g, tf.distribute.DistributedValues)
+                else [g]
+            )
+            for part in parts:
+                values = part.values if isinstance(part, tf.IndexedSlices) else part
+                with tf.device(values.device):
+                    checks.append(tf.reduce_all(tf.math.is_finite(values)))
         return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
     def gate(self, grads: list, apply_fn: Callable[[list], None]) -> None:

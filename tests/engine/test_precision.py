@@ -1,0 +1,77 @@
+"""Mixed precision: the `precision` option and dynamic loss scaling across replicas."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.engine.common import make_strategy, tiny_model
+
+
+def test_precision_option_sets_the_policy_of_layers_built_in_scope_only():
+    with make_strategy("mirrored", precision="mixed_bfloat16").scope():
+        inside = tiny_model()
+    outside = tiny_model()
+    assert [layer.dtype_policy.name for layer in inside.layers] == ["mixed_bfloat16"] * 3
+    assert inside.layers[0].compute_dtype == "bfloat16"
+    assert {w.dtype for w in inside.weights} == {"float32"}  # master copies stay float32
+    assert [layer.dtype_policy.name for layer in outside.layers] == ["float32"] * 3
+
+
+def test_precision_option_rejects_unknown_values():
+    with pytest.raises(tfdist.OptionError) as info:
+        make_strategy("mirrored", precision="float16")
+    assert str(info.value) == (
+        "option 'precision' must be one of 'float32', 'mixed_float16', 'mixed_bfloat16'. "
+        "Received: precision='float16'"
+    )
+
+
+def _replica_values(variable):
+    strategy = tf.distribute.get_strategy()
+    del strategy
+    values = getattr(variable.value, "values", None)
+    return [v.numpy() for v in values] if values else [variable.numpy()]
+
+
+@pytest.mark.parametrize("name", ["mirrored", "central_storage"])
+def test_inf_on_one_replica_skips_the_step_on_every_replica_and_halves_the_scale(name, digits):
+    x, y = digits
+    x, y = x[:32].copy(), y[:32]
+    bad = x.copy()
+    bad[9] = 1e30  # replica 1's share (samples 8-15); inf once cast to float16
+    strategy = make_strategy(name, precision="mixed_float16")
+    with strategy.scope():
+        model = tiny_model()
+    optimizer = model.optimizer
+    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    initial = model.get_weights()
+
+    model.fit(bad, y, batch_size=32, shuffle=False, verbose=0)
+    assert float(np.asarray(optimizer.dynamic_scale)) == 2.0**14
+    assert int(np.asarray(optimizer.iterations)) == 0
+    for variable, start in zip(model.trainable_variables, initial):
+        for copy in _replica_values(variable):
+            np.testing.assert_array_equal(copy, start)
+
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert float(np.asarray(optimizer.dynamic_scale)) == 2.0**14
+    assert int(np.asarray(optimizer.step_counter)) == 1
+    assert int(np.asarray(optimizer.iterations)) == 1
+    assert not np.array_equal(model.get_weights()[0], initial[0])
+
+
+def test_loss_scale_grows_after_dynamic_growth_steps_finite_steps(digits):
+    x, y = digits
+    with make_strategy("mirrored", precision="mixed_float16").scope():
+        model = tiny_model(
+            lambda: keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.1), initial_scale=8.0, dynamic_growth_steps=2
+            )
+        )
+    model.fit(x[:96], y[:96], batch_size=32, shuffle=False, verbose=0)  # 3 finite steps
+    assert float(np.asarray(model.optimizer.dynamic_scale)) == 16.0
+    assert int(np.asarray(model.optimizer.step_counter)) == 1
