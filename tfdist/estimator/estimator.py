@@ -950,6 +950,7 @@ class _TrainLoop:
             writer = tf.summary.create_file_writer(self.estimator.model_dir)
         tick_step, tick_time = step, time.monotonic()
         last_save_step, last_save_time = step, time.monotonic()
+        saved = False
         loss_total = loss_weight = 0.0
         logger.info("Training from global step %d%s on %s (%d replica(s)); checkpoints in %s.",
                     start, f" to {self.target}" if self.target is not None else " until the data ends",
@@ -986,11 +987,13 @@ class _TrainLoop:
                 ):
                     sync()
                     self.save(step)
+                    saved = True
                     last_save_step, last_save_time = step, time.monotonic()
         finally:
             if writer is not None:
                 writer.close()
         sync()
-        if step != last_save_step or self.estimator.latest_checkpoint() is None:
+        # Decided from this run alone, so that every worker of a job saves equally often.
+        if step != last_save_step or not saved:
             self.save(step)
         logger.info("Training finished at global step %d.", step)
