@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,7 +56,7 @@ class Cluster:
     def log_path(self, task: str, index: int) -> str:
         return os.path.join(str(self.tmp_path), f"{task}_{index}.log")
 
-    def start(self, task: str, index: int = 0, extra_args: Optional[list[str]] = None) -> subprocess.Popen:
+    def start(self, task: str, index: int = 0, extra_args: list[str] | None = None) -> subprocess.Popen:
         log = open(self.log_path(task, index), "ab")
         proc = subprocess.Popen(
             [sys.executable, self.script, *self.args, *(extra_args or [])],
@@ -70,7 +69,7 @@ class Cluster:
         self.all_procs.append(proc)
         return proc
 
-    def start_all(self, chief_args: Optional[list[str]] = None) -> subprocess.Popen:
+    def start_all(self, chief_args: list[str] | None = None) -> subprocess.Popen:
         for i in range(len(self.spec["ps"])):
             self.start("ps", i)
         for i in range(len(self.spec["worker"])):

@@ -162,6 +162,14 @@ def test_fit_converges_like_synchronous_training(main_job):
 
 @pytest.mark.cluster
 @pytest.mark.slow
+def test_tf_keras_fit_works_under_the_same_strategy(main_job):
+    r = main_job["result"]
+    assert r["tf_keras_iterations"] == 2 * 47
+    assert r["tf_keras_loss"][1] < r["tf_keras_loss"][0] < 1.5
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
 def test_every_task_exits_cleanly_when_the_chief_finishes(main_job):
     assert main_job["exits"] == {
         ("ps", 0): 0,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import keras
 import numpy as np
@@ -140,7 +140,7 @@ def _make_closure(model) -> Callable:
 _PY_OPS = ("PyFunc", "PyFuncStateless", "EagerPyFunc")
 
 
-def _python_op(dataset: tf.data.Dataset) -> Optional[str]:
+def _python_op(dataset: tf.data.Dataset) -> str | None:
     """The first op in `dataset`'s graph that calls back into this Python process, if any."""
     graph = tf.compat.v1.GraphDef()
     graph.ParseFromString(dataset._as_serialized_graph().numpy())

@@ -9,7 +9,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import tensorflow as tf
 

@@ -1,0 +1,74 @@
+"""Parameter-server training with Keras 3 `model.fit`: one script for every task of the job.
+
+Run locally (a chief, 2 workers, 1 ps task, each its own process):
+
+    tfdist launch --chief --workers 2 --ps 1 -- python examples/parameter_server/train.py
+
+On worker and ps tasks `tfdist.get_strategy("parameter_server")` starts the
+task's TensorFlow server and blocks until the job ends; only the chief gets
+past it, builds the model and calls `fit`, which schedules steps on the
+workers. Variables (here a partitioned embedding) live on the ps tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import tensorflow as tf
+
+import tfdist
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--epochs", type=int, default=5)
+parser.add_argument("--steps-per-epoch", type=int, default=50, help="steps per epoch, summed over workers")
+parser.add_argument("--batch-size", type=int, default=32, help="batch size of each worker's step")
+parser.add_argument("--out", default="/tmp/tfdist_ps_example", help="checkpoints and the saved model go here")
+args = parser.parse_args()
+
+# Variables over 16 KiB are split in shards of at most 16 KiB, at most one per
+# ps task: the embedding table (1088 x 16 floats) spreads over every ps task.
+strategy = tfdist.get_strategy("parameter_server", variable_partitioner="max_shard_bytes:16384")
+# Only the chief runs what follows.
+import keras  # noqa: E402
+
+x, y = tfdist.datasets.load_digits()
+order = np.random.default_rng(0).permutation(len(x))
+x, y = x[order], y[order]
+tokens = (np.arange(64) * 17 + np.round(x * 16)).astype("int32")  # pixel position x value
+split = 1500
+
+
+def train_dataset(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+    # Built on each worker: every worker shuffles its own copy of the data.
+    ds = tf.data.Dataset.from_tensor_slices((tokens[:split], y[:split]))
+    return ds.shuffle(split).repeat().batch(args.batch_size).prefetch(2)
+
+
+with strategy.scope():
+    inputs = keras.Input((64,), dtype="int32")
+    h = keras.layers.Embedding(64 * 17, 16, name="pixel_embedding")(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    h = keras.layers.Dense(64, activation="relu")(h)
+    model = keras.Model(inputs, keras.layers.Dense(10)(h))
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+
+os.makedirs(args.out, exist_ok=True)
+model.fit(
+    train_dataset,
+    epochs=args.epochs,
+    steps_per_epoch=args.steps_per_epoch,
+    validation_data=(tokens[split:], y[split:]),
+    callbacks=[
+        keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup")),
+        keras.callbacks.ModelCheckpoint(os.path.join(args.out, "model.keras")),
+    ],
+    verbose=2,
+)
+loss, accuracy = model.evaluate(tokens[split:], y[split:], verbose=0)
+print(f"test loss {loss:.4f}, accuracy {accuracy:.4f}")
