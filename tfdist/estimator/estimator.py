@@ -294,11 +294,13 @@ class _Graph:
         try:
             status = self.checkpoint().restore(path)
             status.expect_partial()
-            missing = [k for k, v in self.checkpoint_variables().items()
-                       if not _in_checkpoint(path, f"model/{_escape(k)}")]
+            keys = _checkpoint_keys(path)
+            missing = [k for k in self.checkpoint_variables()
+                       if f"model/{_escape(k)}/.ATTRIBUTES/VARIABLE_VALUE" not in keys]
             if missing:
+                stored = sum(1 for k in keys if k.startswith("model/") and k.endswith("VARIABLE_VALUE"))
                 raise ValueError(f"the checkpoint has no value for variable {missing[0]!r} "
-                                 f"(it has {_count_model_values(path)} model variables)")
+                                 f"(it has {stored} model variables)")
         except Exception as e:
             with self.strategy.scope():
                 for v, b in zip(variables, backup):
@@ -317,14 +319,6 @@ def _escape(key: str) -> str:
 
 def _checkpoint_keys(path: str) -> set[str]:
     return {name for name, _ in tf.train.list_variables(path)}
-
-
-def _in_checkpoint(path: str, prefix: str) -> bool:
-    return f"{prefix}/.ATTRIBUTES/VARIABLE_VALUE" in _checkpoint_keys(path)
-
-
-def _count_model_values(path: str) -> int:
-    return sum(1 for k in _checkpoint_keys(path) if k.startswith("model/") and k.endswith("VARIABLE_VALUE"))
 
 
 def checkpoint_global_step(path: str) -> int:
@@ -494,7 +488,8 @@ class Estimator:
         names = []
         for key in sorted(_checkpoint_keys(path)):
             if key.startswith("model/") and key.endswith("/.ATTRIBUTES/VARIABLE_VALUE"):
-                names.append(key[len("model/"):-len("/.ATTRIBUTES/VARIABLE_VALUE")].replace(".S", "/"))
+                escaped = key[len("model/"):-len("/.ATTRIBUTES/VARIABLE_VALUE")]
+                names.append(escaped.replace(".S", "/").replace("..", "."))
         return names + ["global_step"]
 
     def get_variable_value(self, name: str) -> np.ndarray:
