@@ -19,8 +19,9 @@ A step has four phases, each a small function with explicit inputs:
 4. `apply`: the optimizer update, gated by dynamic loss scaling (skipped on
    every replica when any replica saw inf or nan).
 
-Accumulation decides, per micro-step and in cross-replica context, whether a
-step runs phases 2–4 or only adds to the accumulators (`__call__`).
+With accumulation, every micro-step runs phase 1 and adds to per-replica
+accumulators; a conditional in cross-replica context runs phases 2–4 only on
+the last micro-step of each window (`__call__`).
 """
 
 from __future__ import annotations
@@ -133,13 +134,14 @@ class TrainStep:
     def local_gradients(self, data) -> list:
         """Replica context: `[weighted grads..., weight]` ready to reduce.
 
-        With accumulation, this is the last micro-step of a window: the
-        replica's accumulated micro-batches are included (and reset).
+        With accumulation, every micro-step has already added its gradients to
+        the replica's accumulators (`__call__`), and this runs on the last
+        micro-step of a window: it releases (and resets) the accumulated sum,
+        without computing anything on `data` again.
         """
-        values = self.compute_gradients(data)
         if self.accumulation is not None:
-            values = self.accumulation.update(values)
-        return values
+            return self.accumulation.update()
+        return self.compute_gradients(data)
 
     # Phase 3 ---------------------------------------------------------------
     def finish(self, summed: list) -> list:
@@ -178,9 +180,11 @@ class TrainStep:
                 path(self, data)
                 return
 
-            def accumulate():
-                self.strategy.run(
-                    lambda batch: self.accumulation.add(self.compute_gradients(batch)), args=(data,)
-                )
-
-            self.accumulation.run(accumulate, lambda: path(self, data))
+            # The forward and backward pass runs (and is traced, and compiled)
+            # once, outside the conditional; only the last micro-step of a
+            # window then reduces and updates.
+            added = self.strategy.run(
+                lambda batch: self.accumulation.add(self.compute_gradients(batch)), args=(data,)
+            )
+            with tf.control_dependencies(self.strategy.experimental_local_results(added)):
+                self.accumulation.run(lambda: path(self, data))

@@ -217,13 +217,14 @@ class Accumulate(GradientTransformation):
 
     State: one float32 accumulator per gradient and one for the batch weight,
     each a per-replica (`ON_READ`) variable, so a replica adds to its own
-    copy; and a micro-step counter. On the `k - 1` accumulation micro-steps
-    the step runs only `add` on every replica; on the last one, the strategy's
-    gradient path runs and `update` (its first local transformation) releases
-    the accumulated sum plus the current micro-batch and zeroes the
-    accumulators. The choice is a `tf.cond` in cross-replica context
-    (`run`), because a collective cannot sit in a conditional branch inside a
-    replica function under MirroredStrategy.
+    copy; and a micro-step counter. Every micro-step runs the forward and
+    backward pass and `add`s its gradients on every replica; on the last one
+    of a window the strategy's gradient path runs too, and `update` (in place
+    of the local gradients) releases the accumulated sum and zeroes the
+    accumulators; on the other `k - 1` nothing crosses devices. The choice is
+    a `tf.cond` in cross-replica context (`run`), because a collective cannot
+    sit in a conditional branch inside a replica function under
+    MirroredStrategy.
 
     Args:
         k: int. Micro-batches per optimizer step, >= 2.
@@ -278,18 +279,20 @@ class Accumulate(GradientTransformation):
         updates.append(self.weight.assign_add(weight))
         return tf.group(updates)
 
-    def update(self, values: list) -> list:
-        """Releases accumulated + current `[grads..., weight]` and zeroes the accumulators."""
-        grads, weight = values[:-1], values[-1]
-        out = []
-        for acc, g in zip(self.accumulators, grads):
-            out.append(None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32) + acc.read_value())
-        total = weight + self.weight.read_value()
-        with tf.control_dependencies([t for t in out if t is not None] + [total]):
+    def update(self, values: Optional[list] = None) -> list:
+        """Releases the accumulated `[grads..., weight]` and zeroes the accumulators.
+
+        Every micro-step, the last included, was added with `add` first, so
+        `values` (the chain's input) is not needed and is ignored.
+        """
+        del values
+        out = [acc.read_value() for acc in self.accumulators]
+        total = self.weight.read_value()
+        with tf.control_dependencies(out + [total]):
             resets = [acc.assign(tf.zeros_like(acc)) for acc in self.accumulators]
             resets.append(self.weight.assign(0.0))
         with tf.control_dependencies(resets):
-            out = [None if t is None else tf.identity(t) for t in out]
+            out = [tf.identity(t) for t in out]
             total = tf.identity(total)
         return out + [total]
 
@@ -299,19 +302,22 @@ class Accumulate(GradientTransformation):
             return tf.equal((self.keras_iterations + 1) % self.k, 0)
         return tf.equal(self.counter, self.k - 1)
 
-    def run(self, accumulate_fn: Callable[[], None], communicate_fn: Callable[[], None]) -> None:
-        """Runs `communicate_fn` on the last micro-step of each window, else `accumulate_fn`."""
+    def run(self, communicate_fn: Callable[[], None]) -> None:
+        """Runs `communicate_fn` on the last micro-step of each window; advances the counter.
+
+        Call after `add` ran for this micro-step on every replica.
+        """
         from tfdist import collectives
 
-        def traced(kind, fn, advance):
-            def branch():
+        def branch(kind, fn, advance):
+            def run_branch():
                 before = sum(collectives.trace_counter.values())
                 fn()
                 self.traced_collectives[kind] = sum(collectives.trace_counter.values()) - before
                 advance()
                 return tf.constant(True)
 
-            return branch
+            return run_branch
 
         def advance_accumulating():
             if self.keras_iterations is not None:
@@ -326,6 +332,6 @@ class Accumulate(GradientTransformation):
 
         tf.cond(
             self.is_last_micro_step(),
-            traced("communicate", communicate_fn, advance_communicating),
-            traced("accumulate", accumulate_fn, advance_accumulating),
+            branch("communicate", communicate_fn, advance_communicating),
+            branch("accumulate", lambda: None, advance_accumulating),
         )
