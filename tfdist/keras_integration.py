@@ -1221,7 +1221,7 @@ def trackable_list(items: Sequence):
     return data_structures.ListWrapper(list(items))
 
 
-def canonical_checkpoint_value(read_fn, write_fn, shape, dtype):
+def canonical_checkpoint_value(read_fn, write_fn, shape):
     """A trackable that checkpoints as a plain variable of `shape`, read and written by callables.
 
     `tf.train.Checkpoint` saves it under `.ATTRIBUTES/VARIABLE_VALUE`, the key

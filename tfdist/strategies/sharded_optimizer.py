@@ -222,6 +222,7 @@ class ShardedState:
         self.slots: dict = {}
         self.decay: list | None = None
         self.gradient_buffer_bytes: int | None = None
+        self._checkpoint_children: dict | None = None
 
     # Hooks installed on the optimizer ---------------------------------------
     def build(self, variables) -> None:
@@ -384,15 +385,14 @@ class ShardedState:
                     return tf.reshape(flat[offset:offset + size], self.layout.shapes[index])
 
             def write(value):
-                # One slot variable's piece: rewrite the slices that cover it.
-                comps = self._components(self.slots[slot])
+                # One model variable's piece of a slot: rewrite the slices
+                # that cover it (eagerly; restoring runs eagerly).
                 flat = self._gather_eager(self.slots[slot])
                 offset, size = self.layout.offsets[index], self.layout.sizes[index]
                 flat[offset:offset + size] = np.asarray(value).reshape(-1)
                 self._scatter_eager(self.slots[slot], flat)
-                return comps[0].op if hasattr(comps[0], "op") else None
 
-            return ki.canonical_checkpoint_value(read, write, self.layout.shapes[index], tf.float32)
+            return ki.canonical_checkpoint_value(read, write, self.layout.shapes[index])
 
         canonical = []
         by_slot: dict = {}
