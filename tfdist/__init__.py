@@ -25,11 +25,10 @@ from tfdist.devices import configure_local_devices  # noqa: E402
 if _os.environ.get("TFDIST_LOCAL_DEVICES"):
     configure_local_devices(int(_os.environ["TFDIST_LOCAL_DEVICES"]))
 
-from tfdist import cluster, datasets, options, strategies  # noqa: E402
-from tfdist import data  # noqa: E402
+from tfdist import cluster, data, datasets, options, strategies  # noqa: E402
 from tfdist import keras_integration as _keras_integration  # noqa: E402
-from tfdist.memory import memory_report  # noqa: E402
 from tfdist.cluster import ClusterConfigError  # noqa: E402
+from tfdist.memory import memory_report  # noqa: E402
 from tfdist.options import OptionError, TrainingOptions  # noqa: E402
 from tfdist.registry import PresetError, from_config, get_strategy, register, strategy_names  # noqa: E402
 

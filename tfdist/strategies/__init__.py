@@ -3,9 +3,9 @@
 from tfdist.strategies.base import TfdistStrategy, is_tfdist_strategy
 from tfdist.strategies.central_storage import CentralStorageStrategy
 from tfdist.strategies.mirrored import MirroredStrategy
-from tfdist.strategies.sharded_optimizer import ShardedOptimizerStrategy
-from tfdist.strategies.parameter_server import ParameterServerStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
+from tfdist.strategies.parameter_server import ParameterServerStrategy
+from tfdist.strategies.sharded_optimizer import ShardedOptimizerStrategy
 
 __all__ = [
     "CentralStorageStrategy",
