@@ -110,6 +110,10 @@ def test_predict_yields_examples_in_order_and_export_serves_the_same(digits, tmp
     estimator.train(input_fn_for(x[:320], y[:320]), max_steps=10)
     predictions = list(estimator.predict(input_fn_for(x[:37], batch_size=10)))
     assert len(predictions) == 37 and set(predictions[0]) == {"class", "logits"}
+    batches = list(estimator.predict(input_fn_for(x[:37], batch_size=10), predict_keys=["class"],
+                                     yield_single_examples=False))
+    assert [sorted(b) for b in batches] == [["class"]] * 4 and [len(b["class"]) for b in batches] == [10, 10, 10, 7]
+    np.testing.assert_array_equal(np.concatenate([b["class"] for b in batches]), [p["class"] for p in predictions])
     receiver_fn = est.build_raw_serving_input_receiver_fn({"x": tf.TensorSpec([64], tf.float32)})
 
     def model_fn_dict(features, labels, mode, params):
@@ -231,3 +235,12 @@ def test_batch_normalization_state_matches_keras_fit(digits, tmp_path):
              "dense_1/bias"]
     # Measured 3.5e-7: the moving averages are summed in another order.
     assert max_relative_difference(model.get_weights(), [estimator.get_variable_value(n) for n in names]) < PARITY_RTOL
+
+
+def test_evaluate_without_a_checkpoint_says_it_uses_the_initial_variables(digits, tmp_path, caplog):
+    estimator = _estimator(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="tfdist.estimator"):
+        results = estimator.evaluate(input_fn_for(digits[0][:64], digits[1][:64]))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"No checkpoint in model_dir {estimator.model_dir}: evaluating the initial variables."]
+    assert results["global_step"] == 0

@@ -40,12 +40,19 @@ def test_local_train_and_evaluate_evaluates_after_checkpoints_and_exports_once(d
         estimator,
         est.TrainSpec(input_fn_for(x[:800], y[:800]), max_steps=25),
         est.EvalSpec(input_fn_for(x[1500:], y[1500:]), steps=None, throttle_secs=0,
-                     exporters=[est.FinalExporter("digits", receiver)]),
+                     exporters=[est.FinalExporter("digits", receiver),
+                                est.LatestExporter("latest", receiver, exports_to_keep=2)]),
     )
     # After each checkpoint (10, 20, the final 25); the final one is not evaluated twice.
     assert evaluated == [10, 20, 25]
     assert result == original(input_fn_for(x[1500:], y[1500:]))
-    assert len(exports) == 1 and exports[0].startswith(str(tmp_path / "model" / "export" / "digits"))
+    export_dir = tmp_path / "model" / "export"
+    # Latest after every evaluation (keeping 2), final once, at the end.
+    assert [os.path.basename(os.path.dirname(p)) for p in exports] == ["latest", "latest", "latest", "digits"]
+    assert sorted(os.listdir(export_dir / "latest")) == sorted(os.path.basename(p) for p in exports[1:3])
+    assert len(os.listdir(export_dir / "digits")) == 1
+    exports = [p for p in exports if os.path.dirname(p) == str(export_dir / "digits")]
+    assert len(exports) == 1
     served = tf.saved_model.load(exports[0]).signatures["serving_default"](input=tf.constant(x[1500:]))
     assert float(np.mean(np.argmax(served["logits"].numpy(), 1) == y[1500:])) == pytest.approx(result["accuracy"])
 

@@ -117,6 +117,7 @@ class _Evaluation:
         self.exporters = _exporters(eval_spec)
         self.last_result: dict | None = None
         self.last_path: str | None = None
+        self.exported: set[tuple[str, str]] = set()
         self.export_results: list[str] = []
 
     def __call__(self, checkpoint_path: str, final: bool) -> dict:
@@ -127,9 +128,12 @@ class _Evaluation:
                                              checkpoint_path=checkpoint_path, name=self.spec.name)
         self.last_path = checkpoint_path
         for exporter in self.exporters:
+            if (exporter.name, checkpoint_path) in self.exported:
+                continue  # the final call for a checkpoint already evaluated and exported
             base = os.path.join(self.estimator.model_dir, "export", exporter.name)
             path = exporter.export(self.estimator, base, checkpoint_path, result, final)
             if path:
+                self.exported.add((exporter.name, checkpoint_path))
                 self.export_results.append(path)
                 logger.info("Exported %s: %s", exporter.name, path)
         self.last_result = result
