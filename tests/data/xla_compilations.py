@@ -22,7 +22,7 @@ from tests.data.corpus import VOCAB, docstring_examples  # noqa: E402
 
 
 def main(dump_dir: str) -> None:
-    examples = docstring_examples(max_examples=400)
+    examples = docstring_examples(max_examples=300)
     ds = tf.data.Dataset.from_generator(
         lambda: iter(examples),
         output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int32)),
