@@ -111,3 +111,13 @@ def test_sink_size_epoch_on_input_of_unknown_length_is_an_error(digits):
         model = build_model()
     with pytest.raises(ValueError, match=r"sink_size='epoch' runs a whole epoch per host call .*assert_cardinality"):
         model.fit(ds, epochs=1, verbose=0)
+
+
+def test_sink_size_in_a_preset_is_validated_with_the_file_named():
+    assert tfdist.from_config({"strategy": "mirrored", "sink_size": "epoch"}).options.sink_size == "epoch"
+    with pytest.raises(tfdist.PresetError) as info:
+        tfdist.from_config({"strategy": "mirrored", "sink_size": 0})
+    assert str(info.value) == (
+        'preset mapping: option \'sink_size\' must be a positive integer or "epoch" (training steps per '
+        "host call). Received: sink_size=0"
+    )
