@@ -54,13 +54,13 @@ def test_without_a_strategy_matches_single_device_fit_with_momentum_and_uneven_l
 def test_training_resumes_from_the_checkpoint_with_optimizer_state(digits, tmp_path):
     x, y = digits[0][:320], digits[1][:320]
     params = {"optimizer_fn": lambda: keras.optimizers.Adam(1e-2)}
-    once = _estimator(tmp_path / "a", strategy_for("mirrored", 2), params=params)
+    once = _estimator(tmp_path / "a", params=params)
     once.train(input_fn_for(x, y), max_steps=10)
     once.train(input_fn_for(x[160:], y[160:]), max_steps=15)
     # A new Estimator (a restarted process) picks up at step 15.
-    resumed = _estimator(tmp_path / "a", strategy_for("mirrored", 2), params=params)
+    resumed = _estimator(tmp_path / "a", params=params)
     resumed.train(input_fn_for(x[:160], y[:160]), steps=5)
-    straight = _estimator(tmp_path / "b", strategy_for("mirrored", 2), params=params)
+    straight = _estimator(tmp_path / "b", params=params)
     straight.train(input_fn_for(np.concatenate([x, x[160:], x[:160]]), np.concatenate([y, y[160:], y[:160]])),
                    max_steps=20)
     assert resumed.get_variable_value("global_step") == 20
