@@ -91,7 +91,7 @@ def main():
     with strategy.scope():
         emb = embedding_model()
     emb_history = emb.fit(
-        dataset_fn, epochs=3, steps_per_epoch=40, verbose=0,
+        tfdist.data.DatasetFn(dataset_fn), epochs=3, steps_per_epoch=30, verbose=0,
         callbacks=[keras.callbacks.ModelCheckpoint(checkpoint)],
     )
     result["emb_loss"] = emb_history.history["loss"]
@@ -131,7 +131,7 @@ def main():
         return tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(1500).repeat().batch(32)
 
     legacy_history = legacy.fit(
-        tf_keras.utils.experimental.DatasetCreator(legacy_fn), epochs=2, steps_per_epoch=47, verbose=0
+        tf_keras.utils.experimental.DatasetCreator(legacy_fn), epochs=2, steps_per_epoch=20, verbose=0
     )
     result["tf_keras_loss"] = legacy_history.history["loss"]
     result["tf_keras_iterations"] = int(legacy.optimizer.iterations.numpy())

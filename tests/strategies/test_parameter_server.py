@@ -164,8 +164,10 @@ def test_fit_converges_like_synchronous_training(main_job):
 @pytest.mark.slow
 def test_tf_keras_fit_works_under_the_same_strategy(main_job):
     r = main_job["result"]
-    assert r["tf_keras_iterations"] == 2 * 47
-    assert r["tf_keras_loss"][1] < r["tf_keras_loss"][0] < 1.5
+    assert r["tf_keras_iterations"] == 2 * 20
+    # From near ln(10) = 2.3 down: 2 epochs of 20 steps.
+    assert r["tf_keras_loss"][0] < 2.3
+    assert r["tf_keras_loss"][1] < 0.6 * r["tf_keras_loss"][0]
 
 
 @pytest.mark.cluster
@@ -198,14 +200,14 @@ def test_each_ps_holds_only_its_partitions(main_job):
 @pytest.mark.slow
 def test_partitioned_embedding_survives_save_and_load(main_job):
     r = main_job["result"]
-    assert r["emb_iterations"] == 3 * 40
+    assert r["emb_iterations"] == 3 * 30
     assert r["loaded_table_shape"] == [1088, 8]
     assert r["loaded_table_max_diff"] == 0.0
     assert r["loaded_predict_max_diff"] < 1e-5
     assert r["loaded_eval"] == pytest.approx(r["emb_eval"], rel=1e-5)
     # ModelCheckpoint wrote the model of the last epoch from the chief.
     assert r["checkpoint_eval"] == pytest.approx(r["emb_eval"], rel=1e-5)
-    assert r["emb_loss"][-1] < r["emb_loss"][0] / 2
+    assert r["emb_loss"][-1] < 0.6 * r["emb_loss"][0]
 
 
 @pytest.mark.cluster
@@ -280,12 +282,12 @@ def test_worker_failure_is_survived_and_ps_failure_resumes_from_backup(tmp_path)
 
         # The job restarts (as `tfdist launch --restarts 1` would) and resumes from the backup.
         cluster.procs.clear()
-        chief = cluster.start_all(chief_args=[str(failed_epoch + 2)])
+        chief = cluster.start_all(chief_args=[str(failed_epoch + 1)])
         assert cluster.wait_chief(timeout=240) == 0, cluster.log()[-3000:]
         r = _result(cluster.log())
         resumed = _epochs(epochs_file)[failed_epoch:]
-        assert [epoch for epoch, _ in resumed] == [failed_epoch, failed_epoch + 1]
-        assert r["epochs_run"] == 2
+        assert [epoch for epoch, _ in resumed] == [failed_epoch]
+        assert r["epochs_run"] == 1
         # Trained weights came back: a fresh model starts near loss 2.3.
         assert resumed[0][1] < loss_before + 0.2
         assert r["eval"][1] > 0.9

@@ -98,8 +98,32 @@ def parameter_server(step, data) -> None:
 register_gradient_path("parameter_server", parameter_server)
 
 
+# Step options the parameter-server step honours; the others must keep their defaults.
+# bucket_bytes, transfer and prefetch_depth shape cross-device traffic this strategy does not have.
+_SUPPORTED_STEP_OPTIONS = ("bucket_bytes", "sink_size", "transfer", "prefetch_depth")
+
+
+def steps_per_closure(model) -> int:
+    """Steps per scheduled closure: the `sink_size` step option, else `steps_per_execution`."""
+    sink = getattr(model.distribute_strategy.options, "sink_size", None)
+    if sink == "epoch":
+        raise NotImplementedError(
+            "sink_size='epoch' under strategy 'parameter_server' would hand a whole epoch to one "
+            "worker. Use an integer sink_size (steps per scheduled closure). Received: sink_size='epoch'"
+        )
+    return int(sink) if sink else int(model.steps_per_execution)
+
+
 def validate_model(model) -> None:
     """Raises `NotImplementedError` for what the parameter-server step does not run."""
+    from tfdist.options import STEP_OPTIONS
+
+    for name, value in model.distribute_strategy.options.as_dict().items():
+        if name not in _SUPPORTED_STEP_OPTIONS and value != STEP_OPTIONS[name].default:
+            raise NotImplementedError(
+                f"Step option {name!r} is not supported under strategy 'parameter_server' yet; "
+                f"leave it at its default ({STEP_OPTIONS[name].default!r}). Received: {name}={value!r}"
+            )
     optimizer = model.optimizer
     if ki.has_custom_train_step(model):
         raise NotImplementedError(
@@ -348,7 +372,7 @@ def fit(
     with strategy.scope():
         ki.symbolic_build(model, data.first_batch())
     steps = data.steps_per_epoch
-    per_call = int(model.steps_per_execution)
+    per_call = steps_per_closure(model)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(
             callbacks,
