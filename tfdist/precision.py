@@ -13,15 +13,13 @@ dynamic loss scaling across replicas (`tfdist.engine.transforms`).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import keras
 import tensorflow as tf
 
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 
 
-def policy_for(precision: str) -> Optional[keras.DTypePolicy]:
+def policy_for(precision: str) -> keras.DTypePolicy | None:
     """Returns the Keras dtype policy of a `precision` value, or `None` for "float32".
 
     Args:
@@ -43,7 +41,7 @@ def policy_for(precision: str) -> Optional[keras.DTypePolicy]:
     return keras.DTypePolicy(precision)
 
 
-def current_policy() -> Optional[keras.DTypePolicy]:
+def current_policy() -> keras.DTypePolicy | None:
     """The policy of the tfdist strategy whose scope is entered, or `None`.
 
     `None` means Keras's own global policy applies: no strategy scope is

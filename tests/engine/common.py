@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import collections
-from typing import Optional
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 import tfdist
 from tests.conftest import DEVICES
@@ -54,7 +52,7 @@ def tiny_model(
     return model
 
 
-def with_policy(policy: Optional[str], fn):
+def with_policy(policy: str | None, fn):
     """Runs `fn()` with Keras's global dtype policy set to `policy` (None: leave it)."""
     if policy is None:
         return fn()

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.engine.step import TrainStep
 from tests.engine.common import branch_graphs, make_strategy, max_relative_difference, op_counts, tiny_model
+from tfdist.engine.step import TrainStep
 
 
 @pytest.mark.parametrize("name,collective,per_step", [

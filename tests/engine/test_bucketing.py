@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.engine.common import make_strategy, op_counts, tiny_model
 from tfdist.collectives import BucketPlan
 from tfdist.engine.step import TrainStep
-from tests.engine.common import make_strategy, op_counts, tiny_model
 
 
 def test_bucket_plan_fills_reverse_order_per_dtype_within_bucket_bytes():

@@ -19,7 +19,6 @@ import pathlib
 
 import keras
 import numpy as np
-import pytest
 
 from tests.engine.common import SYNCHRONOUS, make_strategy, max_relative_difference, tiny_model, with_policy
 

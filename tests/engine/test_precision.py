@@ -5,7 +5,6 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tfdist
 from tests.engine.common import make_strategy, tiny_model
@@ -31,8 +30,7 @@ def test_precision_option_rejects_unknown_values():
 
 
 def _replica_values(variable):
-    strategy = tf.distribute.get_strategy()
-    del strategy
+    """Every copy of a variable: one per replica (mirrored) or the one (central storage)."""
     values = getattr(variable.value, "values", None)
     return [v.numpy() for v in values] if values else [variable.numpy()]
 

@@ -26,7 +26,7 @@ the last micro-step of each window (`__call__`).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import tensorflow as tf
 
@@ -89,7 +89,7 @@ class TrainStep:
             T.clip_by_optimizer(self.update_optimizer),
         )
         k = accumulation_steps(model)
-        self.accumulation: Optional[T.Accumulate] = None
+        self.accumulation: T.Accumulate | None = None
         with self.strategy.scope():
             if k > 1:
                 keras_counter = (
@@ -149,7 +149,7 @@ class TrainStep:
         return self.reduced.update(list(summed))
 
     # Phase 4 ---------------------------------------------------------------
-    def apply(self, grads: list, update_fn: Optional[Callable[[list], None]] = None) -> None:
+    def apply(self, grads: list, update_fn: Callable[[list], None] | None = None) -> None:
         """Cross-replica context: applies `grads`, or skips the step on inf/nan under loss scaling.
 
         Args:

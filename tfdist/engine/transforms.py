@@ -25,7 +25,7 @@ Gradient lists flowing through the reduced chain are ordinary lists with
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import tensorflow as tf
 
@@ -70,7 +70,7 @@ class Chain(GradientTransformation):
         return values
 
 
-def compose(*transforms: Optional[GradientTransformation]) -> Chain:
+def compose(*transforms: GradientTransformation | None) -> Chain:
     """Chains transformations (`None` entries are skipped), as optax's `chain`.
 
     Example:
@@ -110,7 +110,7 @@ class UnscaleStatic(GradientTransformation):
         return _map(lambda g: g / tf.cast(self.factor, g.dtype), grads)
 
 
-def unscale_static(optimizer) -> Optional[UnscaleStatic]:
+def unscale_static(optimizer) -> UnscaleStatic | None:
     factor = getattr(optimizer, "loss_scale_factor", None)
     return UnscaleStatic(factor) if factor is not None else None
 
@@ -130,7 +130,7 @@ class ClipByOptimizer(GradientTransformation):
         return ki.clip_gradients(self.optimizer, grads)
 
 
-def clip_by_optimizer(optimizer) -> Optional[ClipByOptimizer]:
+def clip_by_optimizer(optimizer) -> ClipByOptimizer | None:
     if not any(getattr(optimizer, a, None) for a in ("clipnorm", "clipvalue", "global_clipnorm")):
         return None
     return ClipByOptimizer(optimizer)
@@ -208,7 +208,7 @@ class DynamicLossScale(GradientTransformation):
         tf.cond(self.all_finite(grads), finite, not_finite)
 
 
-def dynamic_loss_scale(optimizer) -> Optional[DynamicLossScale]:
+def dynamic_loss_scale(optimizer) -> DynamicLossScale | None:
     return DynamicLossScale(optimizer) if ki.is_loss_scale_optimizer(optimizer) else None
 
 
@@ -279,7 +279,7 @@ class Accumulate(GradientTransformation):
         updates.append(self.weight.assign_add(weight))
         return tf.group(updates)
 
-    def update(self, values: Optional[list] = None) -> list:
+    def update(self, values: list | None = None) -> list:
         """Releases the accumulated `[grads..., weight]` and zeroes the accumulators.
 
         Every micro-step, the last included, was added with `add` first, so
