@@ -1,8 +1,9 @@
 """Parameter-server training with Keras 3 `model.fit`: one script for every task of the job.
 
-Run locally (a chief, 2 workers, 1 ps task, each its own process):
+Run locally (a chief, 2 workers, 1 ps task, each its own process; `--evaluator`
+adds a sidecar evaluator process):
 
-    tfdist launch --chief --workers 2 --ps 1 -- python examples/parameter_server/train.py
+    tfdist launch --chief --workers 2 --ps 1 [--evaluator] -- python examples/parameter_server/train.py
 
 On worker and ps tasks `tfdist.get_strategy("parameter_server")` starts the
 task's TensorFlow server and blocks until the job ends; only the chief gets
@@ -30,7 +31,7 @@ args = parser.parse_args()
 # Variables over 16 KiB are split in shards of at most 16 KiB, at most one per
 # ps task: the embedding table (1088 x 16 floats) spreads over every ps task.
 strategy = tfdist.get_strategy("parameter_server", variable_partitioner="max_shard_bytes:16384")
-# Only the chief runs what follows.
+# Only the chief (and the sidecar evaluator, if any) runs what follows.
 import keras  # noqa: E402
 
 x, y = tfdist.datasets.load_digits()
@@ -59,6 +60,11 @@ with strategy.scope():
     )
 
 os.makedirs(args.out, exist_ok=True)
+checkpoint = os.path.join(args.out, "model.weights.h5")
+if strategy.task_type == "evaluator":
+    # The sidecar evaluator (tfdist launch --evaluator): evaluates each checkpoint the chief
+    # writes, while training goes on; exits when the job ends.
+    strategy.evaluate_checkpoints(model, (tokens[split:], y[split:]), checkpoint)
 model.fit(
     train_dataset,
     epochs=args.epochs,
@@ -66,7 +72,7 @@ model.fit(
     validation_data=(tokens[split:], y[split:]),
     callbacks=[
         keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup")),
-        keras.callbacks.ModelCheckpoint(os.path.join(args.out, "model.keras")),
+        keras.callbacks.ModelCheckpoint(checkpoint, save_weights_only=True),
     ],
     verbose=2,
 )

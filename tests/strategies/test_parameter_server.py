@@ -125,6 +125,32 @@ def test_model_code_on_a_worker_process_is_a_clear_error(tmp_path):
     )
 
 
+def test_sidecar_evaluator_evaluates_the_chiefs_latest_checkpoint(monkeypatch, tmp_path, digits):
+    from tests.conftest import build_model
+
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        _tf_config({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}, "evaluator"),
+    )
+    task = tfdist.get_strategy("parameter_server")
+    assert type(task).__name__ == "EvaluatorTask" and task.task_type == "evaluator"
+    x, y = digits
+    trainer = build_model(seed=0)
+    checkpoint = str(tmp_path / "model.weights.h5")
+    with task.scope():
+        model = build_model(seed=1)
+    expected = []
+    for _ in range(2):
+        trainer.fit(x[:640], y[:640], batch_size=32, epochs=1, verbose=0)
+        trainer.save_weights(checkpoint)
+        expected.append(trainer.evaluate(x[1500:], y[1500:], verbose=0, return_dict=True))
+        logs = task.evaluate_checkpoints(
+            model, (x[1500:], y[1500:]), checkpoint, poll_seconds=0.01, max_evaluations=1
+        )
+        assert logs == [pytest.approx(expected[-1], rel=1e-6)]
+    assert expected[1]["loss"] < expected[0]["loss"]
+
+
 # ---------------------------------------------------------------------------
 # A whole job: convergence, partitioning, save and load, input errors.
 # ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import time
+import zipfile
 from typing import Any
 
 import tensorflow as tf
@@ -172,6 +173,112 @@ class ServingTask:
         return f"<tfdist ServingTask {self.task_type}:{self.task_id} target={self.server.target!r}>"
 
 
+class EvaluatorTask:
+    """The sidecar evaluator of a parameter-server job, returned by `get_strategy` on that task.
+
+    The evaluator is outside the training cluster (`tfdist launch --evaluator`
+    starts one): it evaluates the checkpoints the chief writes, on its own
+    data, while training goes on. Its `scope()` is the default (local) scope,
+    so the script builds and compiles the same model as on the chief, then
+    calls `evaluate_checkpoints` instead of `fit`.
+
+    Attributes:
+        task_type: str. `"evaluator"`.
+        task_id: int. The task's index.
+
+    Example:
+
+    ```python
+    strategy = tfdist.get_strategy("parameter_server")
+    with strategy.scope():
+        model = build_model()
+        model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    if strategy.task_type == "evaluator":
+        strategy.evaluate_checkpoints(model, val_ds, "/ckpt/model.weights.h5")  # exits at job end
+    model.fit(train_fn, epochs=10, steps_per_epoch=100,
+              callbacks=[keras.callbacks.ModelCheckpoint("/ckpt/model.weights.h5", save_weights_only=True)])
+    ```
+    """
+
+    def __init__(self, resolver):
+        self.task_type = resolver.task_type
+        self.task_id = resolver.task_id
+        self._chief = resolver.cluster_spec().as_dict()["chief"][0]
+
+    def scope(self):
+        return tf.distribute.get_strategy().scope()
+
+    def evaluate_checkpoints(
+        self,
+        model,
+        data,
+        checkpoint: str,
+        steps: int | None = None,
+        poll_seconds: float = 1.0,
+        max_evaluations: int | None = None,
+    ) -> list[dict]:
+        """Evaluates `checkpoint` every time it changes, until the job ends.
+
+        Args:
+            model: a compiled Keras model with the chief's architecture.
+            data: what `model.evaluate` takes as `x` (a dataset, or a tuple
+                `(x, y)` of arrays).
+            checkpoint: str. The weights file the chief's `ModelCheckpoint`
+                writes (`.weights.h5`, `save_weights_only=True`) or a whole
+                model file (`.keras`).
+            steps: Optional int. Evaluation steps; default all of `data`.
+            poll_seconds: float. How often to look for a new checkpoint.
+            max_evaluations: Optional int. Return after this many evaluations
+                instead of serving until the chief is gone (then the process
+                exits with status 0, as worker and ps tasks do).
+
+        Returns:
+            The logs of each evaluation (when `max_evaluations` is reached).
+        """
+        x, y = data if isinstance(data, tuple) else (data, None)
+        results, last, seen_chief = [], None, False
+        while True:
+            stamp = os.stat(checkpoint).st_mtime_ns if os.path.exists(checkpoint) else None
+            if stamp is not None and stamp != last:
+                try:
+                    if checkpoint.endswith(".keras"):
+                        import keras
+
+                        model.set_weights(keras.models.load_model(checkpoint).get_weights())
+                    else:
+                        model.load_weights(checkpoint)
+                except (OSError, ValueError, zipfile.BadZipFile):
+                    # The chief is writing it (h5py holds a lock, a zip is incomplete): next poll.
+                    time.sleep(poll_seconds)
+                    continue
+                last = stamp
+                logs = model.evaluate(x, y, steps=steps, verbose=0, return_dict=True)
+                print(
+                    f"evaluator: {os.path.basename(checkpoint)} "
+                    + " - ".join(f"{k}: {v:.4f}" for k, v in logs.items()),
+                    flush=True,
+                )
+                results.append(logs)
+                if max_evaluations is not None and len(results) >= max_evaluations:
+                    return results
+            if max_evaluations is None:
+                if _chief_reachable(self._chief):
+                    seen_chief = True
+                elif seen_chief:
+                    _exit_process()
+            time.sleep(poll_seconds)
+
+    def __repr__(self) -> str:
+        return f"<tfdist EvaluatorTask evaluator:{self.task_id}>"
+
+
+def _exit_process() -> None:
+    """Exits with status 0 without interpreter shutdown, which a running TF server can hang."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _chief_reachable(address: str) -> bool:
     host, port = address.rsplit(":", 1)
     try:
@@ -191,9 +298,7 @@ def serve_until_job_ends(chief_address: str, poll_seconds: float = 0.5, gone_aft
     """
 
     def leave(*_):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_process()
 
     signal.signal(signal.SIGTERM, leave)
     seen, missing = False, 0
@@ -271,11 +376,7 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
                 task.join()
             return task
         if resolver.task_type == "evaluator":
-            raise NotImplementedError(
-                "The sidecar evaluator task of strategy 'parameter_server' is not implemented yet: "
-                "evaluate on the chief (model.fit(validation_data=...) or model.evaluate), which "
-                "reads the variables from the ps tasks. Received: task type 'evaluator'"
-            )
+            return EvaluatorTask(resolver)
         instance = super().__new__(cls)
         instance._tfdist_resolver = resolver
         return instance
