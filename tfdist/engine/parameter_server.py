@@ -22,7 +22,9 @@ parameter-server job changes about the loop:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
 from typing import Any, Callable
 
@@ -319,6 +321,43 @@ def _raise_if_ps_failure(error: Exception, strategy, epoch: int):
 # ---------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _atomic_saves(model):
+    """During fit, `model.save` and `model.save_weights` write a temporary file and rename it.
+
+    Saving reads every variable from the ps tasks; a ps task that dies in the
+    middle of BackupAndRestore's or ModelCheckpoint's save would otherwise leave
+    a truncated file in place of the last good one, and the restarted job fails
+    to load it ("Layer 'dense' expected 2 variables, but received 1 variables
+    during loading"). With the rename, the file on disk is always a whole save.
+    """
+
+    def atomic(method):
+        def save(filepath, *args, **kwargs):
+            path = os.fspath(filepath)
+            if "://" in path:  # remote file systems: no atomic rename to rely on
+                return method(filepath, *args, **kwargs)
+            folder, name = os.path.split(path)
+            temporary = os.path.join(folder, f".tfdist-{os.getpid()}-{name}")
+            try:
+                result = method(temporary, *args, **kwargs)
+                os.replace(temporary, path)
+            finally:
+                if os.path.exists(temporary):
+                    os.remove(temporary)
+            return result
+
+        return save
+
+    model.save_weights = atomic(model.save_weights)
+    model.save = atomic(model.save)
+    try:
+        yield
+    finally:
+        del model.save_weights
+        del model.save
+
+
 def _check_chief(strategy, method: str) -> None:
     if strategy.task_type != "chief":
         raise ValueError(
@@ -372,7 +411,6 @@ def fit(
     with strategy.scope():
         ki.symbolic_build(model, data.first_batch())
     steps = data.steps_per_epoch
-    per_call = steps_per_closure(model)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(
             callbacks,
@@ -383,6 +421,17 @@ def fit(
             steps=steps,
             model=model,
         )
+    with _atomic_saves(model):
+        return _fit_loop(
+            model, strategy, data, callbacks, epochs, initial_epoch, validation_data, validation_freq,
+            validation_steps, validation_batch_size or batch_size,
+        )
+
+
+def _fit_loop(model, strategy, data, callbacks, epochs, initial_epoch, validation_data, validation_freq,
+              validation_steps, validation_batch_size):
+    steps = data.steps_per_epoch
+    per_call = steps_per_closure(model)
     closure = _make_closure(model)
     coordinator = strategy.coordinator
     model.stop_training = False
@@ -409,7 +458,7 @@ def fit(
                     else (validation_data, None, None)
                 )
                 val_logs = evaluate(
-                    model, val_x, val_y, batch_size=validation_batch_size or batch_size,
+                    model, val_x, val_y, batch_size=validation_batch_size,
                     sample_weight=val_w, steps=validation_steps, callbacks=callbacks,
                     return_dict=True, verbose=0,
                 )
