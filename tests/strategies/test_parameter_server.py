@@ -175,8 +175,8 @@ def test_fit_converges_like_synchronous_training(main_job):
     history = r["history"]
     assert len(history["loss"]) == 4
     # 4 epochs of ceil(1500 / 32) = 47 steps, summed over both workers. The count is
-    # exact unless the coordinator judged a busy worker lost and ran a closure again
-    # (one step each time; seen under heavy load on this 2-core machine).
+    # exact unless the coordinator judges a busy worker lost and runs a closure again
+    # (one step each time; possible under heavy load on a 2-core machine).
     assert 4 * 47 <= r["iterations"] <= 4 * 47 + 2, r
     sync_loss, sync_acc = r["sync_eval"]
     ps_loss, ps_acc = r["ps_eval"]
