@@ -81,6 +81,10 @@ def main():
     result["history"] = history.history
     result["iterations"] = int(model.optimizer.iterations.numpy())
     result["ps_eval"] = model.evaluate(x_test, y_test, verbose=0)
+    before = int(model.optimizer.iterations.numpy())
+    numpy_history = model.fit(x_train, y_train, batch_size=64, epochs=1, verbose=0)
+    result["numpy_steps"] = int(model.optimizer.iterations.numpy()) - before
+    result["numpy_loss"] = numpy_history.history["loss"]
 
     # A partitioned embedding, fed by a dataset function built on each worker.
     def dataset_fn(input_context):

@@ -191,6 +191,15 @@ def test_fit_converges_like_synchronous_training(main_job):
 
 @pytest.mark.cluster
 @pytest.mark.slow
+def test_fit_on_arrays_runs_one_pass_of_batches(main_job):
+    r = main_job["result"]
+    # ceil(1500 / 64) = 24 steps, continuing from the trained weights.
+    assert 24 <= r["numpy_steps"] <= 24 + 2, r["numpy_steps"]
+    assert r["numpy_loss"][0] < r["history"]["loss"][0] / 3
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
 def test_tf_keras_fit_works_under_the_same_strategy(main_job):
     r = main_job["result"]
     assert r["tf_keras_iterations"] == 2 * 20
