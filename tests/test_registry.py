@@ -103,7 +103,7 @@ def test_mapping_preset_builds_the_same_strategy_as_get_strategy():
         ('strategy = "ring"\n',
          "{path}: key 'strategy' must be one of {names}. Received: 'ring'"),
         ('strategy = "mirrored"\nbuckets = 3\n',
-         "{path}: unknown option 'buckets' for strategy 'mirrored'. Valid options: bucket_bytes, devices"),
+         "{path}: unknown option 'buckets' for strategy 'mirrored'. Valid options: {mirrored_options}"),
         ('strategy = "mirrored"\n[options]\nbucket_bytes = 3\n',
          "{path}: key 'options' is a table; presets are flat: write the options of the strategy as "
          "top-level keys. Received: options = {{'bucket_bytes': 3}}"),
@@ -115,7 +115,8 @@ def test_bad_preset_names_file_key_and_expectation(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(tfdist.PresetError) as e:
         tfdist.from_config(str(path))
-    assert str(e.value) == message.format(path=path, names=tfdist.strategy_names())
+    mirrored_options = ", ".join(sorted(set(tfdist.strategies.MirroredStrategy.PARAMS) | set(tfdist.options.STEP_OPTIONS)))
+    assert str(e.value) == message.format(path=path, names=tfdist.strategy_names(), mirrored_options=mirrored_options)
 
 
 def test_preset_that_is_not_toml_names_the_file(tmp_path):
