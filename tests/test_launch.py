@@ -254,3 +254,43 @@ def test_chief_led_synchronous_workers_may_finish_after_the_chief(tmp_path, caps
     """)
     assert run_job(command, workers=1, chief=True) == 0
     assert sorted(capsys.readouterr().out.splitlines()) == ["[chief:0] done", "[worker:0] done"]
+
+
+def test_with_parameter_servers_a_failed_worker_restarts_in_place(tmp_path, capsys):
+    # Under the parameter-server strategy the chief's coordinator reschedules a
+    # dead worker's steps; the launcher brings the worker back at the same
+    # address so it rejoins. The chief finishes only once the restarted
+    # worker:1 has been seen; the job's status is the chief's.
+    command = script(tmp_path, """
+        with open(os.path.join(out, f"{role}-{attempt}"), "w") as f:
+            f.write(json.dumps(config["cluster"]))
+        if role == "worker:1" and attempt == 0:
+            sys.exit(9)
+        if role == "chief:0":
+            while not os.path.exists(os.path.join(out, "worker:1-1")):
+                time.sleep(0.01)
+            print("chief done")
+            sys.exit(0)
+        time.sleep(600)
+    """)
+    assert run_job(command, workers=2, chief=True, ps=1, restarts=2, timeout=60) == 0
+    started = sorted(p.name for p in tmp_path.iterdir() if ":" in p.name)
+    assert started == ["chief:0-0", "ps:0-0", "worker:0-0", "worker:1-0", "worker:1-1"]
+    # Same cluster, same address: the restarted worker rejoins the running job.
+    assert (tmp_path / "worker:1-0").read_text() == (tmp_path / "worker:1-1").read_text()
+    captured = capsys.readouterr()
+    assert "tfdist launch: worker:1 exited with status 9; restarting it in place (restart 1 of 2 for this worker).\n" in captured.err
+    assert "restarting the job" not in captured.err
+    assert "[chief:0] chief done" in captured.out
+
+
+def test_with_parameter_servers_a_worker_that_keeps_failing_fails_the_job(tmp_path, capsys):
+    command = script(tmp_path, """
+        if role == "worker:0":
+            sys.exit(4)
+        time.sleep(600)
+    """)
+    assert run_job(command, workers=1, chief=True, ps=1, restarts=1, timeout=60) == 4
+    err = capsys.readouterr().err
+    assert "worker:0 exited with status 4; restarting it in place (restart 1 of 1 for this worker)." in err
+    assert "worker:0 exited with status 4; stopping the job." in err

@@ -190,22 +190,34 @@ def _report_failure(task: _Task) -> None:
     _say(f"{task.label} {_describe_exit(code)}; stopping the job. Its last lines:\n{lines}")
 
 
-def _run_once(command, workers, chief, ps, evaluator, base_env, attempt, deadline) -> tuple[int, bool]:
+def _run_once(command, workers, chief, ps, evaluator, base_env, attempt, deadline, restarts=0) -> tuple[int, bool]:
     """Runs the job once; returns (status, whether a restart could help)."""
     cluster = local_cluster(workers, chief, ps)
     roles = [(job, i) for job, addrs in cluster.items() for i in range(len(addrs))]
     if evaluator:
         roles.append(("evaluator", 0))
     tasks: list[_Task] = []
+    # With parameter servers, workers are stateless servers the chief's
+    # coordinator reschedules around: a failed one is restarted in place (same
+    # address, so it rejoins the cluster) up to `restarts` times.
+    in_place_left = {i: restarts for i in range(workers)} if ps else {}
     try:
         for job, index in roles:
             tasks.append(_start(command, job, index, cluster, base_env, attempt))
         deciding = [t for t in tasks if t.job == "chief"] or [t for t in tasks if t.job == "worker"]
         while True:
-            for t in tasks:
+            for position, t in enumerate(tasks):
                 code = t.process.poll()
                 if code is not None and code != 0 and not t.stopped_by_us:
                     t.reader.join(timeout=2.0)
+                    if t.job == "worker" and in_place_left.get(t.index, 0) > 0 and t not in deciding:
+                        in_place_left[t.index] -= 1
+                        _stop([t])
+                        used = restarts - in_place_left[t.index]
+                        _say(f"{t.label} {_describe_exit(code)}; restarting it in place "
+                             f"(restart {used} of {restarts} for this worker).")
+                        tasks[position] = _start(command, t.job, t.index, cluster, base_env, used)
+                        continue
                     _stop(tasks)
                     _report_failure(t)
                     return _exit_status(code), True
@@ -256,7 +268,10 @@ def run_job(
         evaluator: bool. Add an `evaluator` task, outside the cluster spec as
             TensorFlow expects (default `False`).
         restarts: int. Start the whole job again, up to this many times, when
-            a training process fails (default 0).
+            a training process fails (default 0). With parameter servers
+            (`ps > 0`), a failed worker is instead restarted in place, with
+            the same address, up to this many times per worker; a failed
+            chief or ps still restarts the whole job.
         env: Optional dict of environment variables added to this process's
             for every task (e.g. `{"TFDIST_LOCAL_DEVICES": "2"}`).
         timeout: Optional float. Seconds after which the job is stopped
@@ -295,7 +310,9 @@ def run_job(
             previous[sig] = signal.signal(sig, on_signal)
     try:
         for attempt in range(restarts + 1):
-            status, retry = _run_once(command, workers, chief, ps, evaluator, base_env, attempt, deadline)
+            status, retry = _run_once(
+                command, workers, chief, ps, evaluator, base_env, attempt, deadline, restarts
+            )
             if status == 0 or not retry:
                 return status
             if attempt < restarts:
@@ -317,7 +334,10 @@ def add_arguments(p) -> None:
     p.add_argument("--chief", action="store_true", help="add a chief process (else worker:0 is the chief)")
     p.add_argument("--ps", type=int, default=0, help="number of parameter-server processes (default 0)")
     p.add_argument("--evaluator", action="store_true", help="add an evaluator process")
-    p.add_argument("--restarts", type=int, default=0, help="restart the whole job up to K times on failure")
+    p.add_argument(
+        "--restarts", type=int, default=0,
+        help="restart the whole job up to K times on failure; with --ps, restart a failed worker in place",
+    )
     p.add_argument("--timeout", type=float, default=None, help="stop the job after S seconds (exit 124)")
     p.usage = (
         "tfdist launch --workers N [--chief] [--ps M] [--evaluator] [--restarts K] [--timeout S] "
