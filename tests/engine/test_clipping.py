@@ -24,15 +24,13 @@ def test_clip_by_optimizer_takes_the_global_norm_of_all_gradients():
 @pytest.mark.parametrize(
     "optimizer_fn",
     [
-        lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.05),
         lambda: keras.optimizers.SGD(0.1, clipnorm=0.05),
         lambda: keras.optimizers.SGD(0.1, clipvalue=0.002),
     ],
-    ids=["global_clipnorm", "clipnorm", "clipvalue"],
+    ids=["clipnorm", "clipvalue"],
 )
-def test_clipping_on_4_replicas_matches_one_device(optimizer_fn, digits):
-    # Keras clips each replica's share before the all-reduce; with 4 replicas
-    # global_clipnorm then ends far from single-device training.
+def test_per_variable_clipping_on_4_replicas_matches_one_device(optimizer_fn, digits):
+    # global_clipnorm on every strategy: tests/engine/test_matrix.py ("clipping").
     x, y = digits
     reference = tiny_model(optimizer_fn)
     reference.fit(x[:128], y[:128], batch_size=32, shuffle=False, verbose=0)

@@ -19,8 +19,10 @@ def _fit_and_collect_executed_ops(model, x, y):
     return [n for fg in md.function_graphs for pg in fg.partition_graphs for n in pg.node]
 
 
-@pytest.mark.parametrize("name", ["mirrored", "central_storage"])
-@pytest.mark.parametrize("how", ["compile", "option", "off"])
+@pytest.mark.parametrize(
+    "name,how",
+    [("mirrored", "compile"), ("central_storage", "option"), ("mirrored", "off")],
+)
 def test_jit_compile_runs_every_replica_step_under_xla(name, how, digits):
     # Upstream, model.compile(jit_compile=True) under a 2-device MirroredStrategy
     # fails with InvalidArgumentError. Synchronized BatchNorm puts a collective in
@@ -37,5 +39,6 @@ def test_jit_compile_runs_every_replica_step_under_xla(name, how, digits):
     if how == "off":
         assert xla_devices == set()
     else:
-        assert xla_devices == {"0", "1"}  # both replicas' devices run XLA clusters
+        # Both replicas' devices run XLA clusters.
+        assert {"0", "1"} <= xla_devices, f"_XlaRun on devices {sorted(xla_devices)}"
     assert max_relative_difference(reference, model) < 1e-4
