@@ -213,4 +213,11 @@ def all_gather_shards(shard):
     if ctx is None:
         raise RuntimeError("all_gather_shards must be called in replica context (inside strategy.run).")
     trace_counter["all_gather"] = trace_counter.get("all_gather", 0) + 1
+    devices = ctx.strategy.extended.worker_devices
+    if not shard.device and len(devices) == 1:
+        # One local replica (a multi-worker job on CPU): TensorFlow gathers "to
+        # the value's device" and refuses a traced tensor that has none
+        # ("destinations can not be empty").
+        with tf.device(devices[0]):
+            shard = tf.identity(shard)
     return ctx.all_gather(shard, axis=0)

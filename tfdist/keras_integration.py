@@ -1294,3 +1294,22 @@ def guard_load_weights(model, snapshot_fn, restore_fn) -> None:
 def all_layers(model) -> list:
     """Every layer of `model`, nested ones included (Keras's private `_flatten_layers`)."""
     return list(model._flatten_layers(include_self=False))
+
+
+# ---------------------------------------------------------------------------
+# Sharded optimizer across workers: which slice a local replica owns.
+# ---------------------------------------------------------------------------
+
+
+def replica_id_in_sync_group(strategy, local_replica: int) -> int:
+    """The job-wide replica id of this worker's `local_replica`-th device.
+
+    `distribute_lib.get_update_replica_id()` (and the order of
+    `experimental_local_results`) count this worker's replicas only;
+    `replica_id_in_sync_group` counts every replica of every worker
+    (`worker index * local replicas + local id` under
+    MultiWorkerMirroredStrategy, the local id under MirroredStrategy). The
+    mapping is TensorFlow's private `_get_replica_id_in_sync_group`, verified
+    on TensorFlow 2.21.
+    """
+    return int(strategy.extended._get_replica_id_in_sync_group(local_replica))

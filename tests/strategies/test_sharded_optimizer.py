@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
+from tests.child_processes import no_leftover_processes  # noqa: F401 (fixture)
 from tests.conftest import DEVICES, build_model, max_relative_difference
 from tfdist import keras_integration as ki
 from tfdist.sharding import FlatLayout
@@ -443,11 +445,97 @@ def test_native_reduce_scatter_has_no_cpu_implementation():
     assert "did not find collective implementation" in out.stdout
 
 
-def test_several_workers_are_refused_rather_than_trained_apart(monkeypatch):
-    tf_config = '{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "task": {"type": "worker", "index": 0}}'
-    monkeypatch.setenv("TF_CONFIG", tf_config)
-    with pytest.raises(NotImplementedError, match=(
-        r"The 'sharded_optimizer' strategy runs on the devices of one host; TF_CONFIG \(2 workers\) "
-        r"asks for several workers, which it does not support yet."
+# Across workers ---------------------------------------------------------------
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_optimizer_job.py")
+JOB_TIMEOUT_S = 240  # generous: two cores shared with the rest of the suite
+
+
+def test_tf_config_with_several_workers_selects_the_multi_worker_variant_and_validates(monkeypatch):
+    from tfdist.cluster import ClusterConfigError
+    from tfdist.strategies.sharded_optimizer import _runs_across_workers
+
+    workers = '{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "task": {"type": "worker", "index": %d}}'
+    monkeypatch.setenv("TF_CONFIG", workers % 0)
+    assert _runs_across_workers({}) is True
+    with pytest.raises(ValueError, match=(
+        r"The 'sharded_optimizer' strategy takes 'devices' on one host only; across workers use "
+        r"'devices_per_worker'. Received: devices=\['/cpu:0'\] with a cluster of several workers"
+    )):
+        tfdist.get_strategy("sharded_optimizer", devices=["/cpu:0"])
+    with pytest.raises(ValueError, match=r"Argument 'stage' must be 1 or 2. Received: stage=3"):
+        tfdist.get_strategy("sharded_optimizer", stage=3)
+    monkeypatch.setenv("TF_CONFIG", workers % 5)
+    with pytest.raises(ClusterConfigError, match=(
+        r"TF_CONFIG: field 'task.index' is out of range: job 'worker' has 2 task\(s\), so the index "
+        r"must be 0..1. Received: task.index=5"
     )):
         tfdist.get_strategy("sharded_optimizer")
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:2222"]}, "task": {"type": "worker", "index": 0}}')
+    assert _runs_across_workers({}) is False  # one worker: this host's devices, as before
+    monkeypatch.delenv("TF_CONFIG")
+    assert _runs_across_workers({}) is False
+    assert _runs_across_workers({"cluster_resolver": object()}) is True
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_two_workers_train_stages_1_and_2_like_one_process_and_save_the_full_state(tmp_path):
+    from tests.strategies import sharded_optimizer_job as job
+    from tfdist.launch import run_job
+
+    # TMPDIR: the non-chief's temporary write directories land in tmp_path.
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path)}
+    status = run_job([sys.executable, JOB, "--out", str(tmp_path)], workers=2, env=env, timeout=JOB_TIMEOUT_S)
+    assert status == 0
+    x, y = job.data()
+    infos = [json.load(open(tmp_path / f"worker{i}.json")) for i in (0, 1)]
+    # Mirrored over 2 replicas: every device holds Adam's full state.
+    with tfdist.get_strategy("mirrored", devices=DEVICES[2]).scope():
+        mirrored = job.build()
+        mirrored.optimizer.build(mirrored.trainable_variables)
+    mirrored_state = {d: r["optimizer_state"] for d, r in tfdist.memory_report(mirrored).items()}
+    scalars = 8 + 4  # iteration (int64) and learning rate (float32)
+    params = 64 * 32 + 32 + 32 * 10 + 10
+    assert set(mirrored_state.values()) == {2 * 4 * params + scalars}
+
+    for stage in (1, 2):
+        chief, other = (info[f"stage{stage}"] for info in infos)
+        assert chief["class"] == other["class"] == "MultiWorkerShardedOptimizerStrategy"
+        assert chief["is_sharded"] and other["is_sharded"]
+        assert (chief["is_chief"], other["is_chief"]) == (True, False)
+        assert chief["replicas"] == other["replicas"] == 2
+        assert chief["iterations"] == other["iterations"] == job.STEPS
+        # Each worker's one device keeps Adam's state for half of the parameters.
+        for info in (chief, other):
+            (device_report,) = info["memory"].values()
+            assert info["shard_size"] == params // 2
+            assert device_report["optimizer_state"] == 2 * 4 * (params // 2) + scalars
+            assert 2 * (device_report["optimizer_state"] - scalars) == mirrored_state["/device:CPU:0"] - scalars
+        w = [np.load(tmp_path / f"worker{i}_stage{stage}.npz") for i in (0, 1)]
+        for key in w[0].files:
+            np.testing.assert_array_equal(w[0][key], w[1][key])
+        weights = [w[0][f"w_{i}"] for i in range(4)]
+        state = [w[0][f"opt_{i}"] for i in range(2 + 2 * 4)]
+
+        # The same run in this process: 2 local replicas, same global batch and data.
+        with sharded(2, stage=stage).scope():
+            reference = job.build()
+        reference.fit(x, y, batch_size=job.BATCH, epochs=1, shuffle=False, verbose=0)
+        assert max_relative_difference(reference.get_weights(), weights) < 1e-5
+        assert max_relative_difference(canonical(reference), state) < 1e-5
+
+        # The chief's files hold the full state and load on one device.
+        single = keras.models.load_model(tmp_path / f"stage{stage}.keras")
+        assert int(single.optimizer.iterations.numpy()) == job.STEPS
+        assert max_relative_difference(weights, single.get_weights()) == 0.0
+        assert max_relative_difference(state, canonical(single)) == 0.0
+        assert max_relative_difference(canonical(reference), canonical(single)) < 1e-5
+        restored = job.build()
+        restored.optimizer.build(restored.trainable_variables)
+        tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).read(
+            str(tmp_path / f"ckpt_stage{stage}")).assert_consumed()
+        assert max_relative_difference(weights, restored.get_weights()) == 0.0
+        assert max_relative_difference(state, canonical(restored)) == 0.0
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("tfdist_")]  # non-chief temp dirs removed

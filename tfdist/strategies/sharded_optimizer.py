@@ -25,11 +25,15 @@ config; it is built on one flat per-replica variable instead of the model's
 variables, and it saves and loads a canonical (unsharded) state, the one a
 single-device optimizer would save, so checkpoints move freely between this
 strategy, mirrored, one device and other replica counts.
+
+Across the worker processes of a job (TF_CONFIG with several workers, or
+`cluster_resolver=`), `ShardedOptimizerStrategy(...)` returns a
+`MultiWorkerShardedOptimizerStrategy`: the multi-worker strategy with this
+step, replicas numbered across workers; saving all-gathers the state.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Sequence
 
@@ -37,12 +41,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import cluster as cluster_lib
 from tfdist import collectives
 from tfdist import keras_integration as ki
 from tfdist import options as options_lib
 from tfdist.engine.paths import register_gradient_path
 from tfdist.sharding import FlatLayout, gather_shard
 from tfdist.strategies.mirrored import MirroredStrategy
+from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
 STAGE = options_lib.Option(
     name="stage",
@@ -70,54 +76,11 @@ _TF_KERAS_MESSAGE = (
 )
 
 
-class ShardedOptimizerStrategy(MirroredStrategy):
-    """Splits the optimizer state (stage 1) and the gradients (stage 2) across replicas.
+class _ShardedStrategyMixin:
+    """What the single-host and the multi-worker sharded strategies share."""
 
-    Parameters stay replicated on every device, as under mirrored; each
-    replica keeps the optimizer state of an even 1/N slice of the flattened
-    parameters, updates only that slice, and the slices are all-gathered back
-    into the replicated weights after every step. Any Keras 3 optimizer whose
-    update is per element works unchanged (SGD with momentum, Adam, AdamW,
-    RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl).
-
-    Args:
-        stage: int, 1 or 2. 1 all-reduces the gradients and each replica keeps
-            its slice; 2 reduce-scatters them so each replica only ever holds
-            its gradient slice after reduction. Default 1.
-        devices: Optional list of device strings. Default: every local GPU,
-            else every logical CPU device.
-        **options: step options (see `tfdist.options.STEP_OPTIONS`).
-
-    Raises:
-        ValueError: `stage` is not 1 or 2.
-
-    Example:
-
-    ```python
-    strategy = tfdist.get_strategy("sharded_optimizer", stage=2)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
-        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    model.fit(x, y, batch_size=64)
-    tfdist.memory_report(model)   # optimizer state: 1/N per device
-    ```
-    """
-
-    name = "sharded_optimizer"
-    PARAMS = {"stage": STAGE, "devices": options_lib.DEVICES}
     gradient_path = "sharded_optimizer"
-
-    def __init__(self, stage: int = 1, devices: Sequence[str] | None = None, **options):
-        if isinstance(stage, bool) or stage not in (1, 2):
-            raise ValueError(f"Argument 'stage' must be 1 or 2. Received: stage={stage!r}")
-        _refuse_multi_worker(options.pop("cluster_resolver", None))
-        super().__init__(devices=devices, stage=stage, **options)
-        self.stage = stage
-        ki.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
-
-    @classmethod
-    def demo_kwargs(cls):
-        return {"stage": 2}
+    stage: int
 
     def on_compile(self, model) -> None:
         """Checks the compiled optimizer and makes it build and save sharded state."""
@@ -163,6 +126,147 @@ class ShardedOptimizerStrategy(MirroredStrategy):
             object.__setattr__(model, "_tfdist_load_guarded", True)
 
 
+class _ShardedStrategyType(type):
+    """Makes the multi-worker variant count as a `ShardedOptimizerStrategy` in `isinstance`."""
+
+    def __instancecheck__(cls, instance) -> bool:
+        if cls is ShardedOptimizerStrategy and isinstance(instance, MultiWorkerShardedOptimizerStrategy):
+            return True
+        return super().__instancecheck__(instance)
+
+
+class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclass=_ShardedStrategyType):
+    """Splits the optimizer state (stage 1) and the gradients (stage 2) across replicas.
+
+    Parameters stay replicated on every device, as under mirrored; each
+    replica keeps the optimizer state of an even 1/N slice of the flattened
+    parameters, updates only that slice, and the slices are all-gathered back
+    into the replicated weights after every step. Any Keras 3 optimizer whose
+    update is per element works unchanged (SGD with momentum, Adam, AdamW,
+    RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl).
+
+    Args:
+        stage: int, 1 or 2. 1 all-reduces the gradients and each replica keeps
+            its slice; 2 reduce-scatters them so each replica only ever holds
+            its gradient slice after reduction. Default 1.
+        devices: Optional list of device strings (one host). Default: every
+            local GPU, else every logical CPU device.
+        cluster, cluster_resolver, communication, collective_timeout,
+            devices_per_worker, auto_shard: run across the worker processes of
+            a job, as the 'multi_worker' strategy does (same arguments, same
+            TF_CONFIG resolution and validation). A TF_CONFIG listing several
+            chief/worker tasks, or any of these arguments, makes the strategy
+            a `MultiWorkerShardedOptimizerStrategy` (still an instance of this
+            class): replicas are every device of every worker, and each owns
+            1/N of the parameters, N = `num_replicas_in_sync` over the job.
+        **options: step options (see `tfdist.options.STEP_OPTIONS`).
+
+    Raises:
+        ValueError: `stage` is not 1 or 2, or `devices` is given with a cluster.
+        tfdist.ClusterConfigError: TF_CONFIG (or `cluster`) is invalid.
+
+    Example:
+
+    ```python
+    strategy = tfdist.get_strategy("sharded_optimizer", stage=2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=64)
+    tfdist.memory_report(model)   # optimizer state: 1/N per device
+    ```
+    """
+
+    name = "sharded_optimizer"
+    # The multi-worker arguments are listed so that presets and error messages know them; given
+    # (not None), they select MultiWorkerShardedOptimizerStrategy in __new__.
+    PARAMS = {"stage": STAGE, "devices": options_lib.DEVICES, **MultiWorkerMirroredStrategy.PARAMS}
+
+    def __new__(cls, *args, **kwargs):
+        if cls is ShardedOptimizerStrategy and _runs_across_workers(kwargs):
+            if kwargs.get("devices") is not None:
+                raise ValueError(
+                    "The 'sharded_optimizer' strategy takes 'devices' on one host only; across "
+                    "workers use 'devices_per_worker'. Received: devices="
+                    f"{kwargs['devices']!r} with a cluster of several workers"
+                )
+            kwargs.pop("devices", None)
+            # Not a subclass, so Python does not call __init__ again.
+            return MultiWorkerShardedOptimizerStrategy(*args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, stage: int = 1, devices: Sequence[str] | None = None, **options):
+        _check_stage(stage)
+        for name in _CLUSTER_ARGUMENTS:  # None here: one host
+            options.pop(name, None)
+        super().__init__(devices=devices, stage=stage, **options)
+        self.stage = stage
+        ki.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
+
+    @classmethod
+    def demo_kwargs(cls):
+        return {"stage": 2}
+
+
+class MultiWorkerShardedOptimizerStrategy(_ShardedStrategyMixin, MultiWorkerMirroredStrategy):
+    """The sharded-optimizer strategy across the worker processes of a job.
+
+    What `tfdist.get_strategy("sharded_optimizer", ...)` returns when TF_CONFIG
+    lists several chief/worker tasks, or a `cluster`/`cluster_resolver` (or
+    another multi-worker argument) is given; `isinstance(s,
+    ShardedOptimizerStrategy)` holds. It is the 'multi_worker' strategy
+    (TF_CONFIG, `cluster="slurm"` or `cluster_resolver=`, validated the same
+    way; TensorFlow's collectives over gRPC; non-chief `fit` callbacks write
+    to temporary directories; `write_dir`) with the sharded step: replicas are
+    every device of every worker, replica `r` (`replica_id_in_sync_group`,
+    worker-major) owns slice `r` of the flat parameters and keeps the
+    optimizer state of that slice only. Saving (`model.save`,
+    `save_weights`, `tf.train.Checkpoint`, ModelCheckpoint, BackupAndRestore)
+    all-gathers the optimizer state across workers, so every worker must call
+    it (the non-chief ones on `strategy.write_dir(path)`), as the multi-worker
+    rule already asks.
+
+    Args:
+        stage: int, 1 or 2.
+        **kwargs: the 'multi_worker' strategy's arguments (`cluster`,
+            `cluster_resolver`, `communication`, `collective_timeout`,
+            `devices_per_worker`, `auto_shard`) and step options.
+    """
+
+    name = "sharded_optimizer"
+    PARAMS = {"stage": STAGE, **MultiWorkerMirroredStrategy.PARAMS}
+
+    def __init__(self, stage: int = 1, **kwargs):
+        _check_stage(stage)
+        super().__init__(stage=stage, **kwargs)
+        self.stage = stage
+        ki.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
+
+    @classmethod
+    def demo_kwargs(cls):
+        return None
+
+
+def _check_stage(stage) -> None:
+    if isinstance(stage, bool) or stage not in (1, 2):
+        raise ValueError(f"Argument 'stage' must be 1 or 2. Received: stage={stage!r}")
+
+
+# The multi-worker strategy's own arguments: any of them selects the multi-worker variant.
+_CLUSTER_ARGUMENTS = tuple(MultiWorkerMirroredStrategy.PARAMS)
+
+
+def _runs_across_workers(kwargs: dict) -> bool:
+    """Whether the arguments or TF_CONFIG ask for a job of several worker processes."""
+    if any(kwargs.get(name) is not None for name in _CLUSTER_ARGUMENTS):
+        return True
+    if not os.environ.get("TF_CONFIG", "").strip():
+        return False
+    # Validated as the multi-worker strategy does (ClusterConfigError on a bad TF_CONFIG).
+    config = cluster_lib.parse_tf_config()
+    return config.num_workers > 1 and config.task_type != "evaluator"
+
+
 def _snapshot(model) -> tuple:
     """Host copies of the model's weights and its optimizer's canonical state."""
     state = ki.sharded_state(model.optimizer) if model.optimizer is not None else None
@@ -176,25 +280,6 @@ def _restore(model, saved: tuple) -> None:
         v.assign(value)
     if values is not None:
         state.load_canonical_values(values)
-
-
-def _refuse_multi_worker(cluster_resolver) -> None:
-    """Raises rather than let each worker of a TF_CONFIG job train on its own."""
-    tasks = 0
-    raw = os.environ.get("TF_CONFIG", "")
-    if raw:
-        try:
-            cluster = json.loads(raw).get("cluster", {})
-            tasks = sum(len(v) for k, v in cluster.items() if k in ("chief", "worker"))
-        except (ValueError, AttributeError):
-            tasks = 0
-    if cluster_resolver is not None or tasks > 1:
-        where = "cluster_resolver=" if cluster_resolver is not None else f"TF_CONFIG ({tasks} workers)"
-        raise NotImplementedError(
-            f"The 'sharded_optimizer' strategy runs on the devices of one host; {where} asks for "
-            "several workers, which it does not support yet. Use the 'multi_worker' strategy "
-            "across workers, or run one process per host without TF_CONFIG."
-        )
 
 
 class ShardedState:
@@ -223,6 +308,7 @@ class ShardedState:
         self.decay: list | None = None
         self.gradient_buffer_bytes: int | None = None
         self._checkpoint_children: dict | None = None
+        self._gather_functions: dict = {}
 
     # Hooks installed on the optimizer ---------------------------------------
     def build(self, variables) -> None:
@@ -324,10 +410,42 @@ class ShardedState:
         ]
 
     def _components(self, variable) -> list:
-        return list(self.strategy.experimental_local_results(ki._tf_variable(variable)))
+        """This worker's copies of a flat variable: `[(job-wide replica id, copy), ...]`."""
+        local = self.strategy.experimental_local_results(ki._tf_variable(variable))
+        return [(ki.replica_id_in_sync_group(self.strategy, i), c) for i, c in enumerate(local)]
+
+    @property
+    def across_workers(self) -> bool:
+        """Whether other worker processes hold some of the slices."""
+        return len(self.strategy.extended.worker_devices) != self.strategy.num_replicas_in_sync
+
+    def _gather_tensor(self, variable) -> tf.Tensor:
+        """Every replica's slice of `variable`, concatenated in replica order (on this worker).
+
+        Across workers this is an all-gather, a collective: every worker must
+        call it, in the same order (saving is done by every worker).
+        """
+        if not self.across_workers:
+            comps = [c for _, c in self._components(variable)]
+            with tf.device("/cpu:0"):
+                return tf.concat([tf.convert_to_tensor(c) for c in comps], axis=0)
+        v = ki._tf_variable(variable)
+        function = self._gather_functions.get(id(v))
+        if function is None:
+            strategy = self.strategy
+
+            def gather():
+                return collectives.all_gather_shards(tf.convert_to_tensor(v))
+
+            # Traced once per variable: eager `strategy.run` would retrace TensorFlow's gather every call.
+            function = tf.function(lambda: strategy.experimental_local_results(strategy.run(gather))[0])
+            self._gather_functions[id(v)] = function
+        return function()
 
     def _gather_eager(self, variable) -> np.ndarray:
-        return np.concatenate([np.asarray(c.numpy()) for c in self._components(variable)])
+        if not self.across_workers:
+            return np.concatenate([np.asarray(c.numpy()) for _, c in self._components(variable)])
+        return np.asarray(self._gather_tensor(variable).numpy())
 
     def canonical_values(self) -> list[np.ndarray]:
         """The optimizer state as a single-device optimizer holds it (numpy, in its order)."""
@@ -371,26 +489,33 @@ class ShardedState:
 
     def _scatter_eager(self, variable, flat: np.ndarray) -> None:
         size = self.layout.shard_size
-        for r, component in enumerate(self._components(variable)):
+        for r, component in self._components(variable):
             with tf.device(component.device):
                 component.assign(flat[r * size:(r + 1) * size])
 
     def _canonical_children(self) -> dict:
         def value_of(slot, index):
             def read():
-                comps = self._components(self.slots[slot])
+                flat = self._gather_tensor(self.slots[slot])
                 with tf.device("/cpu:0"):
-                    flat = tf.concat([tf.convert_to_tensor(c) for c in comps], axis=0)
                     offset, size = self.layout.offsets[index], self.layout.sizes[index]
                     return tf.reshape(flat[offset:offset + size], self.layout.shapes[index])
 
             def write(value):
-                # One model variable's piece of a slot: rewrite the slices
-                # that cover it (eagerly; restoring runs eagerly).
-                flat = self._gather_eager(self.slots[slot])
+                # One model variable's piece of a slot: rewrite the parts of
+                # this worker's slices that cover it (eagerly; restoring runs
+                # eagerly; no collective, so workers need not restore in step).
                 offset, size = self.layout.offsets[index], self.layout.sizes[index]
-                flat[offset:offset + size] = np.asarray(value).reshape(-1)
-                self._scatter_eager(self.slots[slot], flat)
+                piece = np.asarray(value, np.float32).reshape(-1)
+                shard = self.layout.shard_size
+                for r, component in self._components(self.slots[slot]):
+                    lo = r * shard
+                    start, stop = max(lo, offset), min(lo + shard, offset + size)
+                    if start < stop:
+                        current = np.array(component.numpy())
+                        current[start - lo:stop - lo] = piece[start - offset:stop - offset]
+                        with tf.device(component.device):
+                            component.assign(current)
 
             return ki.canonical_checkpoint_value(read, write, self.layout.shapes[index])
 
@@ -441,13 +566,16 @@ class ShardedState:
         # The model variables are the truth (set_weights, load_weights and
         # checkpoints write them): each replica's slice starts from them.
         def refresh(v):
-            return v.assign(gather_shard(layout, [tf.convert_to_tensor(x) for x in variables], ki.update_replica_id()))
+            replica = ki.replica_id_in_sync_group(strategy, ki.update_replica_id())
+            return v.assign(gather_shard(layout, [tf.convert_to_tensor(x) for x in variables], replica))
 
         flat = ki._tf_variable(self.flat)
         strategy.extended.update(flat, refresh, group=False)
 
-        def decay_mask(replica):
-            return layout.mask(replica, self.decay) if self.decay is not None else None
+        def decay_mask(local_replica):
+            if self.decay is None:
+                return None
+            return layout.mask(ki.replica_id_in_sync_group(strategy, local_replica), self.decay)
 
         (g,) = grads
         ki.apply_sharded_update(self.optimizer, g, self.flat, decay_mask)
