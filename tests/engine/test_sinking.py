@@ -121,3 +121,22 @@ def test_sink_size_in_a_preset_is_validated_with_the_file_named():
         'preset mapping: option \'sink_size\' must be a positive integer or "epoch" (training steps per '
         "host call). Received: sink_size=0"
     )
+
+
+def test_unknown_length_input_counts_exactly_the_steps_run():
+    # Keras's own loop (and a plain get_next()) counts one optimizer step too
+    # many per epoch on input of unknown length: 42 for 2 epochs of 20 steps.
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+    from tests.conftest import DEVICES
+
+    x, y = tfdist.datasets.load_digits()
+    ds = tf.data.Dataset.from_tensor_slices((x[:640], y[:640])).filter(lambda a, b: True).batch(32)
+    assert ds.cardinality().numpy() == tf.data.UNKNOWN_CARDINALITY
+    with tfdist.get_strategy("mirrored", devices=DEVICES[2]).scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(ds, epochs=2, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 40

@@ -106,12 +106,6 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
     whole_epochs = _sinks_whole_epochs(model)
 
     @tf.autograph.experimental.do_not_convert
-    def one_step(iterator, max_steps):
-        del max_steps
-        step_fn(iterator.get_next())
-        return tf.constant(1), model.get_metrics_result()
-
-    @tf.autograph.experimental.do_not_convert
     def many_steps(iterator, max_steps):
         done = run_steps(iterator, step_fn, max_steps)
         return done, model.get_metrics_result()
@@ -121,7 +115,12 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
         step_fn(data)
         return model.get_metrics_result()
 
-    run = one_step if steps_per_call == 1 and not whole_epochs else many_steps
+    # Also for one step per call: with a plain `get_next()` the ops of the step
+    # that do not depend on the batch (the optimizer's iteration count) still
+    # run when the iterator is exhausted, so on input of unknown length Keras
+    # counts one step too many per epoch (42 for 40 steps over 2 epochs), which
+    # shifts Adam's bias correction and learning-rate schedules.
+    run = many_steps
     if not model.run_eagerly:
         run = tf.function(run, reduce_retracing=True)
         on_data = tf.function(on_data, reduce_retracing=True)
