@@ -20,6 +20,7 @@ import pathlib
 import keras
 import numpy as np
 
+import tfdist
 from tests.engine.common import SYNCHRONOUS, make_strategy, max_relative_difference, tiny_model, with_policy
 
 SAMPLES = 128  # 4 steps of a global batch of 32
@@ -156,3 +157,9 @@ def test_strategy_feature_matrix_matches_single_device_or_raises(digits):
         "docs/feature_matrix.md (shown in the README) differs from this run's matrix; "
         "rerun with TFDIST_UPDATE_MATRIX=1 and update the README.\n" + table
     )
+
+
+def test_matrix_covers_every_registered_synchronous_strategy():
+    # A newly registered strategy fails here until it has a row in the matrix
+    # (parameter_server is asynchronous: docs/engine.md documents each feature).
+    assert set(tfdist.strategy_names()) - {"parameter_server"} == set(SYNCHRONOUS)
