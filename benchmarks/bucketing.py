@@ -25,7 +25,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "bucketing.json")
@@ -53,16 +52,12 @@ def _time_steps(keras, tf, strategy, layers: int, steps: int, batch: int) -> flo
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
     with strategy.scope():
         model = _model(keras, layers)
-    times = []
+    from tfdist.timing import EpochTimer
 
-    class Timer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
+    timer = EpochTimer()
+    times = timer.times
 
-        def on_epoch_end(self, epoch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
-    model.fit(dataset, epochs=4, steps_per_epoch=steps, verbose=0, callbacks=[Timer()])
+    model.fit(dataset, epochs=4, steps_per_epoch=steps, verbose=0, callbacks=[timer])
     return min(times[1:]) / steps
 
 

@@ -23,7 +23,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "multi_worker.json")
@@ -64,16 +63,12 @@ def worker(args) -> None:
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=args.steps_per_execution,
         )
-    times = []
+    from tfdist.timing import EpochTimer
 
-    class Timer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
+    timer = EpochTimer()
+    times = timer.times
 
-        def on_epoch_end(self, epoch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
-    model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, verbose=0, callbacks=[Timer()])
+    model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, verbose=0, callbacks=[timer])
     steady = times[1:] or times
     if strategy.is_chief:
         with open(args.out, "w") as f:

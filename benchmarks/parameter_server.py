@@ -28,7 +28,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "parameter_server.json")
@@ -64,17 +63,13 @@ def task(args) -> None:
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=args.steps_per_execution,
         )
-    times = []
+    from tfdist.timing import EpochTimer
 
-    class Timer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            times.append(time.perf_counter() - self.start)
+    timer = EpochTimer()
+    times = timer.times
 
     history = model.fit(
-        dataset_fn, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, verbose=0, callbacks=[Timer()]
+        dataset_fn, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, verbose=0, callbacks=[timer]
     )
     steady = times[1:] or times
     with open(args.out, "w") as f:

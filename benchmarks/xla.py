@@ -21,23 +21,18 @@ import argparse
 import json
 import os
 import platform
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "xla.json")
 
 
 def _epoch_times(keras, model, dataset, steps: int) -> list[float]:
-    times = []
+    from tfdist.timing import EpochTimer
 
-    class Timer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
+    timer = EpochTimer()
+    times = timer.times
 
-        def on_epoch_end(self, epoch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
-    model.fit(dataset, epochs=4, steps_per_epoch=steps, verbose=0, callbacks=[Timer()])
+    model.fit(dataset, epochs=4, steps_per_epoch=steps, verbose=0, callbacks=[timer])
     return times
 
 

@@ -33,7 +33,7 @@ def test_demo_trains_every_strategy_and_prints_the_table():
         assert m, line
         rows[m.group(1)] = (int(m.group(2)), float(m.group(3)), float(m.group(4)), int(m.group(5)))
     assert set(rows) == {"mirrored", "central_storage"}
-    for name, (replicas, loss, accuracy, rate) in rows.items():
+    for name, (replicas, _loss, accuracy, rate) in rows.items():
         assert replicas == 2
         assert accuracy > 0.8, (name, accuracy)  # 2 epochs of Adam on digits
         assert rate > 0

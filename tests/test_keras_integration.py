@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tfdist
-from tfdist import keras_integration
 from tests.conftest import build_model, max_relative_difference
 from tests.strategies.parity import PARITY_RTOL, strategy_for
+from tfdist import keras_integration
 
 STRATEGIES = ["mirrored", "central_storage"]
 
@@ -197,13 +196,10 @@ def test_strategies_of_different_sizes_in_one_process():
     for n in (2, 4, 3):
         strategy = strategy_for("mirrored", n)
 
-        @tf.function
-        def summed():
-            def fn():
-                return tf.distribute.get_replica_context().all_reduce("SUM", tf.constant(1.0))
+        def fn():
+            return tf.distribute.get_replica_context().all_reduce("SUM", tf.constant(1.0))
 
-            return strategy.experimental_local_results(strategy.run(fn))[0]
-
+        summed = tf.function(lambda s=strategy: s.experimental_local_results(s.run(fn))[0])
         results.append(float(summed()))
     assert results == [2.0, 4.0, 3.0]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 
@@ -58,6 +57,7 @@ def run_demo(
     import numpy as np
 
     from tfdist import datasets, registry
+    from tfdist.timing import EpochTimer
 
     x, y = datasets.load_digits()
     rng = np.random.default_rng(0)
@@ -79,7 +79,7 @@ def run_demo(
             print(f"\n== {name}: {strategy!r}")
         with strategy.scope():
             model = _build_model(keras, seed=0)
-        timer = _EpochTimer(keras)
+        timer = EpochTimer()
         model.fit(
             *train,
             batch_size=batch_size,
@@ -99,28 +99,6 @@ def run_demo(
             }
         )
     return rows
-
-
-class _EpochTimer:
-    """Times epochs after the first (which includes tracing)."""
-
-    def __new__(cls, keras):
-        class Timer(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.times = []
-
-            def on_epoch_begin(self, epoch, logs=None):
-                self._start = time.perf_counter()
-
-            def on_epoch_end(self, epoch, logs=None):
-                self.times.append(time.perf_counter() - self._start)
-
-            def samples_per_second(self, n):
-                steady = self.times[1:] or self.times
-                return n * len(steady) / sum(steady)
-
-        return Timer()
 
 
 def format_table(rows: list[dict]) -> str:

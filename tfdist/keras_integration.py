@@ -441,7 +441,7 @@ def _create_per_device(strategy, devices, next_creator, distribute_utils, **kwar
         for i, device in enumerate(devices):
             with tf.device(device):
                 if i > 0:
-                    kw["name"] = "%s/replica_%d/" % (values[0].name.split(":")[0], i)
+                    kw["name"] = "{}/replica_{}/".format(values[0].name.split(":")[0], i)
                 values.append(next_creator(**kw))
         return values
 

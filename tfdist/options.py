@@ -287,7 +287,7 @@ class TrainingOptions:
         return "TrainingOptions(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], source: str = "") -> "TrainingOptions":
+    def from_mapping(cls, values: Mapping[str, Any], source: str = "") -> TrainingOptions:
         """Validates `values` (naming `source` in errors) and returns the options."""
         checked = {
             name: STEP_OPTIONS[name].validate(value, source=source)
