@@ -90,8 +90,9 @@ class _ShardedStrategyMixin:
         if ki.is_loss_scale_optimizer(optimizer):
             raise NotImplementedError(
                 "LossScaleOptimizer (mixed_float16 dynamic loss scaling) is not supported by "
-                "the 'sharded_optimizer' strategy: its inf/nan check would see only one "
-                "replica's gradient slice. Use mixed_bfloat16 or float32, or the mirrored strategy."
+                "the 'sharded_optimizer' strategy: its per-slice optimizers are built from the "
+                "optimizer's own class and do not carry the loss-scale wrapper. Use "
+                "mixed_bfloat16 or float32, or the mirrored strategy."
             )
         reason = _WHOLE_TENSOR_OPTIMIZERS.get(type(optimizer).__name__)
         if reason:
