@@ -1,4 +1,4 @@
-"""The one place where tfdist meets Keras internals.
+"""The one place where tfdist uses private Keras and TensorFlow APIs.
 
 Keras owns the loop (epochs, callbacks, progress bar, history); tfdist owns the
 step. This module installs tfdist's train and test functions on models whose
@@ -6,17 +6,21 @@ strategy is a tfdist strategy, and leaves every other model exactly as Keras
 made it: each patched method first checks the model's strategy and otherwise
 calls the original.
 
-Every use of a private Keras API is in this file, behind a named function, and
-checked against the range of Keras versions it was verified on
+Every use of a private Keras or TensorFlow API is in this file, behind a named
+function, and checked against the range of Keras versions it was verified on
 (`VERIFIED_KERAS`). Outside that range tfdist warns once at import and carries
-on; the test suite pins the verified range.
+on; the test suite pins the verified range. Each workaround below names its
+upstream issue (or, where none was found, quotes the upstream error) in its
+docstring and has a test that fails without it.
 
-Upstream issues worked around here:
+The main upstream issues worked around here:
 
 * keras-team/keras#20585 and tensorflow/tensorflow#72388: Keras 3 `fit` fails
   under MultiWorkerMirroredStrategy with "Attempt to convert a value
-  (PerReplica...)" — tfdist's train function reduces every per-replica value
-  itself (`tfdist.engine.loop`), so Keras never sees one.
+  (PerReplica...)" — first in Keras's `_maybe_symbolic_build` (replaced here by
+  one replica's share of the first batch) and then in its train function
+  (tfdist's, in `tfdist.engine.loop`, reduces every per-replica value itself),
+  so Keras never sees one.
 * Keras 3 `compile(steps_per_execution>1)` under MirroredStrategy fails with
   "You must feed a value for placeholder tensor 'while/cond/Placeholder'": the
   loop in `tfdist.engine.loop` carries no per-step outputs through the
