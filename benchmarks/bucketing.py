@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "bucketing.json")
+import common  # noqa: E402 (benchmarks/common.py, beside this script)
+
 DEFAULT = 25 * 1024 * 1024
 
 
@@ -84,8 +83,7 @@ def worker(args) -> None:
     """One process of the 2-worker job (TF_CONFIG is set by the launcher)."""
     config = json.loads(os.environ["TF_CONFIG"])
     index = config["task"]["index"]
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[index % len(cores)]})
+    common.pin_to_one_core(index)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
     import tensorflow as tf
@@ -162,10 +160,7 @@ def main() -> None:
             f"{r['setup']:34} {r['variables']:>9} {r['per_variable_ms']:>16.2f} "
             f"{r['bucketed_ms']:>12.2f} {r['speedup']:>8.2f}x"
         )
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump({"machine": platform.platform(), "cpus": os.cpu_count(), "rows": rows}, f, indent=2)
-    print(f"wrote {RESULTS}")
+    common.write_results("bucketing", {"rows": rows})
 
 
 if __name__ == "__main__":

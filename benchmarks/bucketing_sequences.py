@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import json
 import os
-import platform
 import re
 import sys
 import tempfile
@@ -40,7 +38,6 @@ import time
 import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "bucketing_sequences.json")
 DUMP = tempfile.mkdtemp(prefix="tfdist-xla-dump-")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP}").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -50,6 +47,7 @@ import tfdist  # noqa: E402
 
 DEVICES = tfdist.configure_local_devices(2)
 
+import common  # noqa: E402 (benchmarks/common.py, beside this script)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -229,8 +227,6 @@ def main(argv=None) -> dict:
         )
 
     result = {
-        "benchmark": "bucketing_sequences",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "tensorflow": tf.__version__, "keras": keras.__version__},
         "corpus": {
             "modules": MODULES,
             "examples": len(examples),
@@ -243,10 +239,7 @@ def main(argv=None) -> dict:
         "methods": rows,
         "under_strategy": strategy_row,
     }
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"\nwrote {RESULTS}")
+    common.write_results("bucketing_sequences", result)
     return result
 
 

@@ -20,20 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "multi_worker.json")
+import common  # noqa: E402 (benchmarks/common.py, beside this script)
 
 
 def worker(args) -> None:
     """One process of the job (TF_CONFIG is set by the launcher)."""
     config = json.loads(os.environ["TF_CONFIG"])
     index = config["task"]["index"]
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[index % len(cores)]})
+    common.pin_to_one_core(index)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
@@ -124,22 +121,16 @@ def main() -> None:
         print(f"{r['workers']:>7} {r['replicas']:>8} {r['global_batch']:>12} {r['step_ms']:>8.1f} "
               f"{r['samples_per_s']:>10.0f} {speed_up:>8.2f}")
     print(f"scaling efficiency (2 workers): {efficiency:.2f}")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(
-            {
-                "benchmark": "multi_worker",
-                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                "epochs": args.epochs,
-                "per_worker_batch": args.per_worker_batch,
-                "steps_per_execution": args.steps_per_execution,
-                "runs": rows,
-                "scaling_efficiency": efficiency,
-            },
-            f,
-            indent=2,
-        )
-    print(f"wrote {RESULTS}")
+    common.write_results(
+        "multi_worker",
+        {
+            "epochs": args.epochs,
+            "per_worker_batch": args.per_worker_batch,
+            "steps_per_execution": args.steps_per_execution,
+            "runs": rows,
+            "scaling_efficiency": efficiency,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -25,12 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "parameter_server.json")
+import common  # noqa: E402 (benchmarks/common.py, beside this script)
 
 
 def task(args) -> None:
@@ -124,22 +122,16 @@ def main() -> None:
         speed_up = r["steps_per_s"] / rows[0]["steps_per_s"]
         print(f"{r['workers']:>7} {r['ps']:>3} {args.batch:>6} {r['steps_per_s']:>8.1f} "
               f"{r['samples_per_s']:>10.0f} {speed_up:>8.2f} {r['final_loss']:>7.4f}")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(
-            {
-                "benchmark": "parameter_server",
-                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                "epochs": args.epochs,
-                "batch": args.batch,
-                "steps_per_execution": args.steps_per_execution,
-                "runs": rows,
-                "speed_up_2_workers": rows[1]["steps_per_s"] / rows[0]["steps_per_s"],
-            },
-            f,
-            indent=2,
-        )
-    print(f"wrote {RESULTS}")
+    common.write_results(
+        "parameter_server",
+        {
+            "epochs": args.epochs,
+            "batch": args.batch,
+            "steps_per_execution": args.steps_per_execution,
+            "runs": rows,
+            "speed_up_2_workers": rows[1]["steps_per_s"] / rows[0]["steps_per_s"],
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -29,12 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 
+import common  # noqa: E402 (benchmarks/common.py, beside this script)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "sharded_optimizer.json")
 CONFIGS = [("mirrored", None), ("sharded_optimizer", 1), ("sharded_optimizer", 2)]
 LAYERS = (4096, 2048, 1024)
 
@@ -157,20 +157,10 @@ def main() -> None:
         "reduce-scatter kernel, so stage 2 reduces in chunked all-reduces and receives the whole "
         "(padded) gradient transiently, like stage 1; the float32 formula assumes a true reduce-scatter."
     )
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(
-            {
-                "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-                "batch": args.batch,
-                "steps": args.steps,
-                "warmup": args.warmup,
-                "runs": runs,
-            },
-            f,
-            indent=2,
-        )
-    print(f"wrote {os.path.relpath(RESULTS)}")
+    common.write_results(
+        "sharded_optimizer",
+        {"batch": args.batch, "steps": args.steps, "warmup": args.warmup, "runs": runs},
+    )
 
 
 if __name__ == "__main__":

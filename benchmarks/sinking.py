@@ -26,14 +26,11 @@ timing depends on the machine and on what else runs on it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "sinking.json")
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -41,6 +38,7 @@ import tfdist  # noqa: E402
 
 DEVICES = tfdist.configure_local_devices(2)
 
+import common  # noqa: E402 (benchmarks/common.py, beside this script)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -179,8 +177,6 @@ def main(argv=None) -> dict:
     print(f"{'on':>10} {on:>10.1f} {on / off:>11.2f}")
 
     result = {
-        "benchmark": "sinking",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "tensorflow": tf.__version__, "keras": keras.__version__},
         "config": {"devices": DEVICES, "global_batch": BATCH, "steps_per_epoch": args.steps, "repeats": args.repeats},
         "sinking": rows,
         "upper_bound": {"steps_per_s": bound, "ratio_to_1": bound / base},
@@ -192,10 +188,7 @@ def main(argv=None) -> dict:
             "ratio_on_to_off": on / off,
         },
     }
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"\nwrote {RESULTS}")
+    common.write_results("sinking", result)
     return result
 
 

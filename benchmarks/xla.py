@@ -18,12 +18,9 @@ depends on the machine and on what else runs on it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "xla.json")
+import common  # noqa: E402 (benchmarks/common.py, beside this script)
 
 
 def _epoch_times(keras, model, dataset, steps: int) -> list[float]:
@@ -86,10 +83,7 @@ def main() -> None:
     print(f"{'strategy':18} {'without XLA ms':>15} {'with XLA ms':>12} {'speed-up':>9}")
     for r in rows:
         print(f"{r['strategy']:18} {r['without_xla_ms']:>15.2f} {r['with_xla_ms']:>12.2f} {r['speedup']:>8.2f}x")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump({"machine": platform.platform(), "cpus": os.cpu_count(), "batch": args.batch, "rows": rows}, f, indent=2)
-    print(f"wrote {RESULTS}")
+    common.write_results("xla", {"batch": args.batch, "rows": rows})
 
 
 if __name__ == "__main__":
