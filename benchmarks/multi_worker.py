@@ -36,9 +36,9 @@ def worker(args) -> None:
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    import keras
 
     import tfdist
+    from tfdist.timing import EpochTimer
 
     strategy = tfdist.get_strategy("multi_worker")
     x, y = tfdist.datasets.load_digits()
@@ -46,27 +46,11 @@ def worker(args) -> None:
     steps = len(x) // global_batch
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch)
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [
-                keras.Input((64,)),
-                keras.layers.Dense(512, activation="relu"),
-                keras.layers.Dense(512, activation="relu"),
-                keras.layers.Dense(10),
-            ]
-        )
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.05),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=args.steps_per_execution,
-        )
-    from tfdist.timing import EpochTimer
-
+        model = common.digits_mlp(args.steps_per_execution)
     timer = EpochTimer()
-    times = timer.times
 
     model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, verbose=0, callbacks=[timer])
-    steady = times[1:] or times
+    steady = timer.steady_times()
     if strategy.is_chief:
         with open(args.out, "w") as f:
             json.dump(

@@ -37,9 +37,9 @@ def task(args) -> None:
     import tensorflow as tf
 
     import tfdist
+    from tfdist.timing import EpochTimer
 
     strategy = tfdist.get_strategy("parameter_server")  # workers and the ps block here
-    import keras
 
     x, y = tfdist.datasets.load_digits()
 
@@ -47,29 +47,13 @@ def task(args) -> None:
         return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).repeat().batch(args.batch).prefetch(2)
 
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [
-                keras.Input((64,)),
-                keras.layers.Dense(512, activation="relu"),
-                keras.layers.Dense(512, activation="relu"),
-                keras.layers.Dense(10),
-            ]
-        )
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.05),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=args.steps_per_execution,
-        )
-    from tfdist.timing import EpochTimer
-
+        model = common.digits_mlp(args.steps_per_execution)
     timer = EpochTimer()
-    times = timer.times
 
     history = model.fit(
         dataset_fn, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, verbose=0, callbacks=[timer]
     )
-    steady = times[1:] or times
+    steady = timer.steady_times()
     with open(args.out, "w") as f:
         json.dump(
             {
