@@ -35,12 +35,17 @@ class Bucket:
 
     dtype: tf.DType
     indices: tuple[int, ...]
-    sizes: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
+    sizes: tuple[int | None, ...]
+    shapes: tuple[tuple[int, ...] | None, ...]
 
     @property
-    def num_elements(self) -> int:
-        return sum(self.sizes)
+    def fused(self) -> bool:
+        """Whether the bucket is a flat buffer; else one gradient sent as it is."""
+        return self.shapes != (None,)
+
+    @property
+    def num_elements(self) -> int | None:
+        return sum(self.sizes) if self.fused else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +64,12 @@ class BucketPlan:
 
     @classmethod
     def build(cls, grads: Sequence, bucket_bytes: int) -> BucketPlan:
-        """Plans buckets for `grads` (static shapes needed; `None` entries are skipped)."""
+        """Plans buckets for `grads`; `None` entries are skipped.
+
+        A gradient without a fully known static shape cannot be fused (its
+        buffer could not be split again); it gets a bucket of its own and is
+        sent as it is.
+        """
         open_buckets: dict[tf.DType, list] = {}
         buckets: list[Bucket] = []
         sparse: list[int] = []
@@ -78,10 +88,10 @@ class BucketPlan:
                 continue
             shape = tuple(g.shape.as_list())
             if any(d is None for d in shape):
-                raise ValueError(
-                    f"Gradient {i} has an unknown static shape {shape}; fused "
-                    "buffers need static shapes. Set bucket_bytes=0 to send it unfused."
-                )
+                # Only fused buffers need a static shape (to split them again).
+                # A gradient whose shape the tape lost travels on its own.
+                buckets.append(Bucket(g.dtype, (i,), (None,), (None,)))
+                continue
             size = 1
             for d in shape:
                 size *= d
@@ -110,6 +120,9 @@ class BucketPlan:
         """Returns the fused buffers (flat tensors) then the sparse gradients."""
         out = []
         for b in self.buckets:
+            if not b.fused:
+                out.append(grads[b.indices[0]])
+                continue
             parts = [tf.reshape(grads[i], [-1]) for i in b.indices]
             out.append(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0))
         out.extend(grads[i] for i in self.sparse)
@@ -119,6 +132,9 @@ class BucketPlan:
         """Inverse of `pack`: the list of gradients, `None` where there was none."""
         grads: list = [None] * self.count
         for b, flat in zip(self.buckets, packed):
+            if not b.fused:
+                grads[b.indices[0]] = flat
+                continue
             pieces = tf.split(flat, list(b.sizes)) if len(b.sizes) > 1 else [flat]
             for i, piece, shape in zip(b.indices, pieces, b.shapes):
                 grads[i] = tf.reshape(piece, shape)

@@ -175,3 +175,57 @@ def gather_shard(layout: FlatLayout, tensors: Sequence, shard: int) -> tf.Tensor
     if position < layout.shard_size:
         parts.append(tf.zeros([layout.shard_size - position], tf.float32))
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+
+
+def has_sparse(tensors: Sequence) -> bool:
+    """Whether any of `tensors` is a sparse gradient (`tf.IndexedSlices`)."""
+    return any(isinstance(t, tf.IndexedSlices) for t in tensors)
+
+
+def dense_only(tensors: Sequence) -> list:
+    """`tensors` with every sparse gradient replaced by `None` (zeros in a slice)."""
+    return [None if isinstance(t, tf.IndexedSlices) else t for t in tensors]
+
+
+def gather_shard_slices(layout: FlatLayout, dense_shard: tf.Tensor, tensors: Sequence, shard: int) -> tf.IndexedSlices:
+    """Replica `shard`'s gradient slice with its sparse gradients kept sparse.
+
+    Keras applies an optimizer's element-wise maths to a sparse gradient row
+    by row, *before* summing duplicate rows: on one device, Adam's second
+    moment of an embedding row looked up twice in a batch takes the sum of the
+    two rows' squares, not the square of their sum. Densifying the gradient
+    first (as a flat slice would) changes the update. So the slice is handed
+    to the optimizer as `tf.IndexedSlices` over the flat `[S]` slice, one
+    element per "row": every element of `dense_shard` (the dense gradients'
+    part, zeros where a variable's gradient is sparse or absent) once, then
+    every element of every occurrence of every sparse row that falls inside
+    the slice. Summed, it is the densified slice; element-wise, it is what the
+    optimizer saw on one device.
+
+    Args:
+        layout: the `FlatLayout`.
+        dense_shard: float32 `[S]`: the slice of the dense gradients, with
+            zeros in the elements of sparse gradients.
+        tensors: the per-variable gradients; only `tf.IndexedSlices` entries
+            are read (their `values` are `[n, *shape[1:]]`, `indices` rows of
+            dimension 0).
+        shard: the slice's replica.
+    """
+    values = [dense_shard]
+    indices = [tf.range(layout.shard_size, dtype=tf.int64)]
+    for p in layout.pieces(shard):
+        t = tensors[p.variable]
+        if not isinstance(t, tf.IndexedSlices):
+            continue
+        row = math.prod(layout.shapes[p.variable][1:])
+        rows = tf.cast(t.indices, tf.int64)
+        flat = rows[:, None] * row + tf.range(row, dtype=tf.int64)[None, :]
+        inside = tf.logical_and(flat >= p.start, flat < p.stop)
+        row_values = tf.reshape(tf.cast(t.values, tf.float32), [-1, row])
+        values.append(tf.boolean_mask(row_values, inside))
+        indices.append(tf.boolean_mask(flat, inside) - p.start + p.offset)
+    return tf.IndexedSlices(
+        tf.concat(values, axis=0),
+        tf.concat(indices, axis=0),
+        tf.constant([layout.shard_size], tf.int64),
+    )

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.engine.common import make_strategy, op_counts, tiny_model
+from tests.engine.common import make_strategy, max_relative_difference, op_counts, tiny_model
 from tfdist.collectives import BucketPlan
 from tfdist.engine.step import TrainStep
 
@@ -73,3 +74,43 @@ def test_bucketed_training_equals_unbucketed(name, digits):
         weights.append(model.get_weights())
     for a, b in zip(*weights):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_gradient_of_unknown_static_shape_is_sent_unfused_in_its_own_bucket():
+    plans = []
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3]), tf.TensorSpec([4])], autograph=False)
+    def round_trip(unknown, known):
+        plans.append(BucketPlan.build([unknown, known], bucket_bytes=1024))
+        return plans[0].unpack(plans[0].pack([unknown, known]))
+
+    a, b = np.arange(6.0, dtype=np.float32).reshape(2, 3), np.arange(4.0, dtype=np.float32)
+    out = round_trip(a, b)
+    assert [(b.indices, b.fused) for b in plans[0].buckets] == [((0,), False), ((1,), True)]
+    np.testing.assert_array_equal(out[0].numpy(), a)
+    np.testing.assert_array_equal(out[1].numpy(), b)
+
+
+def _dense_on_sequences():
+    # A Dense kernel applied to a 3-D input: the tape returns its gradient with
+    # static shape (None, units) although the kernel's shape is known.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((10, 8)), keras.layers.Dense(16), keras.layers.Dense(3),
+        keras.layers.GlobalAveragePooling1D(),
+    ])
+    model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 1024, 25 << 20])
+@pytest.mark.parametrize("name", ["mirrored", "central_storage", "sharded_optimizer"])
+def test_dense_on_3d_input_trains_with_single_device_parity(name, bucket_bytes):
+    rng = np.random.RandomState(0)
+    x, y = rng.rand(64, 10, 8).astype("float32"), rng.randint(0, 3, 64)
+    reference = _dense_on_sequences()
+    reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    with make_strategy(name, replicas=2, bucket_bytes=bucket_bytes).scope():
+        model = _dense_on_sequences()
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert max_relative_difference(reference, model) < 1e-5

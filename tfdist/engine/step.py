@@ -51,6 +51,23 @@ def _scale(g, factor):
     return tf.math.multiply_no_nan(g, tf.cast(factor, g.dtype))
 
 
+def with_variable_shapes(grads: list, variables) -> list:
+    """`grads`, each dense gradient with its variable's static shape.
+
+    The tape can lose a gradient's static shape although its variable's is
+    known: a `Dense` kernel applied to a 3-D input gets `(None, units)` from
+    the reshape in its matmul's gradient. The collectives (fused buffers),
+    accumulators and sharded layouts need the static shape, which the
+    variable always has.
+    """
+    out = []
+    for g, v in zip(grads, variables):
+        if g is not None and not isinstance(g, tf.IndexedSlices) and not g.shape.is_fully_defined():
+            g = tf.ensure_shape(g, v.shape)
+        out.append(g)
+    return out
+
+
 def accumulation_steps(model) -> int:
     """Micro-batches per optimizer step: the `accumulation_steps` option or Keras's own."""
     option = model.distribute_strategy.options.accumulation_steps
@@ -112,7 +129,7 @@ class TrainStep:
             if self.update_optimizer.loss_scale_factor is not None:
                 scaled = scaled * self.update_optimizer.loss_scale_factor
         grads = tape.gradient(scaled, model.trainable_variables)
-        return y_pred, loss, grads
+        return y_pred, loss, with_variable_shapes(grads, model.trainable_variables)
 
     def compute_gradients(self, data) -> list:
         """Replica context: `[weighted grads..., batch size]` of this micro-batch."""

@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import keras_integration as ki
-from tfdist.engine.step import TrainStep
+from tfdist.engine.step import TrainStep, with_variable_shapes
 from tfdist.estimator.estimator_spec import EstimatorSpec, check_spec, predictions_as_dict
 from tfdist.estimator.mode_keys import ModeKeys
 from tfdist.estimator.run_config import RunConfig, resolve_strategy
@@ -156,7 +156,7 @@ class _ModelFnStep(TrainStep):
             scaled = loss_scale.scale_loss(spec.loss) if loss_scale else spec.loss
             if factor is not None:
                 scaled = scaled * factor
-        grads = tape.gradient(scaled, variables)
+        grads = with_variable_shapes(tape.gradient(scaled, variables), variables)
         weight = tf.cast(_batch_size(features), tf.float32)
         self._graph.accumulate_loss(spec.loss, weight)
         return [_scale(g, weight) for g in grads] + [weight]

@@ -46,7 +46,7 @@ from tfdist import collectives
 from tfdist import keras_integration as ki
 from tfdist import options as options_lib
 from tfdist.engine.paths import register_gradient_path
-from tfdist.sharding import FlatLayout, gather_shard
+from tfdist.sharding import FlatLayout, dense_only, gather_shard, gather_shard_slices, has_sparse
 from tfdist.strategies.mirrored import MirroredStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
@@ -347,29 +347,39 @@ class ShardedState:
         """
         optimizer = self.optimizer
         (g,) = grads
+        # A sparse slice (`gather_shard_slices`): its norms are taken over the
+        # values, duplicates counted apart, as Keras takes them on one device;
+        # Keras's per-variable and by-value clipping keep the gradient sparse
+        # (clipping each row apart), its global clipping densifies it.
+        sparse = isinstance(g, tf.IndexedSlices)
+        values = g.values if sparse else g
         if optimizer.clipnorm and optimizer.clipnorm > 0:
             ctx = tf.distribute.get_replica_context()
             replica = tf.get_static_value(ctx.replica_id_in_sync_group)
             ids = self.layout.segment_ids(replica)
-            squares = tf.math.unsorted_segment_sum(tf.square(g), ids, len(self.variables) + 1)
+            if sparse:
+                ids = tf.gather(ids, g.indices)
+            squares = tf.math.unsorted_segment_sum(tf.square(values), ids, len(self.variables) + 1)
             squares = ctx.all_reduce(tf.distribute.ReduceOp.SUM, squares)
             l2sum = tf.gather(squares, ids)
             # Keras's `_clip_by_norm`, per variable.
             pred = l2sum > 0
             l2norm = tf.where(pred, tf.sqrt(tf.where(pred, l2sum, tf.ones_like(l2sum))), l2sum)
-            clip = tf.cast(optimizer.clipnorm, g.dtype)
-            return [g * clip / tf.maximum(l2norm, clip)]
+            clip = tf.cast(optimizer.clipnorm, values.dtype)
+            clipped = values * clip / tf.maximum(l2norm, clip)
+            return [tf.IndexedSlices(clipped, g.indices, g.dense_shape) if sparse else clipped]
         if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
             ctx = tf.distribute.get_replica_context()
-            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.reduce_sum(tf.square(g)))
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.reduce_sum(tf.square(values)))
             norm = tf.sqrt(total)
-            clip = tf.cast(optimizer.global_clipnorm, g.dtype)
+            clip = tf.cast(optimizer.global_clipnorm, values.dtype)
             # Keras's `clip_by_global_norm`, NaN-propagating.
             scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
-            return [g * scale]
+            return [tf.convert_to_tensor(g) * scale if sparse else g * scale]
         if optimizer.clipvalue and optimizer.clipvalue > 0:
-            v = tf.cast(optimizer.clipvalue, g.dtype)
-            return [tf.clip_by_value(g, -v, v)]
+            v = tf.cast(optimizer.clipvalue, values.dtype)
+            clipped = tf.clip_by_value(values, -v, v)
+            return [tf.IndexedSlices(clipped, g.indices, g.dense_shape) if sparse else clipped]
         return [g]
 
     def finalize_variable_values(self, var_list) -> None:
@@ -544,18 +554,27 @@ class ShardedState:
         ctx = tf.distribute.get_replica_context()
         replica = tf.get_static_value(ctx.replica_id_in_sync_group)
         bucket_bytes = step.options.bucket_bytes
+        grads = values[:-1]
         if self.strategy.stage == 1:
             summed = collectives.all_reduce_sum(values, bucket_bytes)
+            grads = summed[:-1]
             # Every reduced gradient (a sparse one once densified) has its variable's size.
             held = self.layout.total * 4
-            shard = gather_shard(self.layout, summed[:-1], replica)
+            shard = gather_shard(self.layout, dense_only(grads), replica)
             total = summed[-1]
         else:
-            shard = collectives.reduce_scatter_sum(values[:-1], self.layout, bucket_bytes)
+            shard = collectives.reduce_scatter_sum(dense_only(grads), self.layout, bucket_bytes)
             # The fallback reduce-scatter all-reduces every chunk: the reduced
             # outputs it materialises cover the whole padded flat vector.
             held = self.layout.shard_size * self.layout.num_shards * 4
             total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values[-1])
+            if has_sparse(grads):
+                # Sparse rows are all-gathered, as under mirrored, never densified.
+                grads = collectives.all_reduce_sum(
+                    [g if isinstance(g, tf.IndexedSlices) else None for g in grads], bucket_bytes
+                )
+        if has_sparse(grads):
+            shard = gather_shard_slices(self.layout, shard, grads, replica)
         self.gradient_buffer_bytes = held
         return [shard, total]
 
