@@ -219,3 +219,44 @@ def test_slurm_outside_a_job_step_says_how(monkeypatch):
         "allocation (sbatch/salloc), which sets SLURM_PROCID, SLURM_STEP_NUM_TASKS, "
         "SLURM_STEP_NODELIST and SLURM_STEP_TASKS_PER_NODE."
     )
+
+
+def test_cluster_source_names_how_the_cluster_was_given(monkeypatch):
+    import tensorflow as tf
+
+    from tfdist.cluster import ClusterSource
+
+    monkeypatch.delenv("TFDIST_RESTART_COUNT", raising=False)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec(TWO_WORKERS))
+    given = ClusterSource.of(resolver)
+    env = ClusterSource.of(None)
+    monkeypatch.setenv("TFDIST_RESTART_COUNT", "0")  # every task `tfdist launch` starts has it
+    launched = ClusterSource.of(None)
+    assert [s.label for s in (given, env, launched)] == [
+        "cluster_resolver=SimpleClusterResolver",
+        "TF_CONFIG",
+        "the TF_CONFIG set by `tfdist launch`",
+    ]
+    assert [s.add_job("worker") for s in (given, env, launched)] == [
+        "add a 'worker' job to the tf.train.ClusterSpec of the resolver passed as cluster_resolver=, "
+        'e.g. {..., "worker": ["localhost:2224"]}',
+        'add a \'worker\' job to the cluster in every process\'s TF_CONFIG, e.g. "worker": ["host:2222"]',
+        "add --workers 2 to the `tfdist launch` command (e.g. tfdist launch --chief --workers 2 --ps 1 "
+        "-- python train.py)",
+    ]
+
+
+def test_validate_jobs_checks_a_cluster_without_a_task():
+    from tfdist.cluster import validate_jobs
+
+    cluster = {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]}
+    assert validate_jobs(cluster, "cluster_resolver=SimpleClusterResolver") == {
+        "worker": ("localhost:1", "localhost:2"),
+        "ps": ("localhost:3",),
+    }
+    with pytest.raises(ClusterConfigError) as e:
+        validate_jobs({"worker": ["localhost:1"], "ps": ["127.0.0.1:1"]}, "cluster_resolver=SimpleClusterResolver")
+    assert str(e.value) == (
+        "cluster_resolver=SimpleClusterResolver: fields 'cluster.worker[0]' and 'cluster.ps[0]' have the "
+        "same address '127.0.0.1:1'; every task needs its own host:port."
+    )

@@ -123,6 +123,64 @@ class ClusterConfig:
         )
 
 
+# `tfdist launch` sets this for every task it starts (tfdist/launch.py), beside TF_CONFIG.
+_LAUNCH_VARIABLE = "TFDIST_RESTART_COUNT"
+
+_LAUNCH_FLAGS = {"chief": "--chief", "worker": "--workers 2", "ps": "--ps 1", "evaluator": "--evaluator"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSource:
+    """How a job's cluster was given, so that an error names it and its advice fits it.
+
+    Attributes:
+        kind: str. `"cluster_resolver"` (a strategy's `cluster_resolver=`
+            argument), `"TF_CONFIG"` (the environment variable, set by hand or
+            by a cluster manager) or `"tfdist launch"` (the TF_CONFIG that
+            `tfdist launch` set).
+        resolver: str. The resolver's class name, for kind `"cluster_resolver"`.
+
+    Example:
+
+    ```python
+    source = tfdist.cluster.ClusterSource.of(cluster_resolver=None)  # TF_CONFIG
+    source.label          # 'TF_CONFIG'
+    source.add_job("ps")  # how to add ps tasks, written for TF_CONFIG
+    ```
+    """
+
+    kind: str
+    resolver: str = ""
+
+    @classmethod
+    def of(cls, cluster_resolver=None) -> ClusterSource:
+        """The source of the cluster a strategy was given: `cluster_resolver`, else the environment."""
+        if cluster_resolver is not None:
+            return cls("cluster_resolver", type(cluster_resolver).__name__)
+        if _LAUNCH_VARIABLE in os.environ:
+            return cls("tfdist launch")
+        return cls("TF_CONFIG")
+
+    @property
+    def label(self) -> str:
+        """The source as error messages name it, e.g. `cluster_resolver=SimpleClusterResolver`."""
+        if self.kind == "cluster_resolver":
+            return f"cluster_resolver={self.resolver}"
+        if self.kind == "tfdist launch":
+            return "the TF_CONFIG set by `tfdist launch`"
+        return "TF_CONFIG"
+
+    def add_job(self, job: str) -> str:
+        """How to add tasks of type `job` to the cluster this way, as a clause of a sentence."""
+        if self.kind == "tfdist launch":
+            return (f"add {_LAUNCH_FLAGS[job]} to the `tfdist launch` command "
+                    "(e.g. tfdist launch --chief --workers 2 --ps 1 -- python train.py)")
+        if self.kind == "TF_CONFIG":
+            return f"add a {job!r} job to the cluster in every process's TF_CONFIG, e.g. \"{job}\": [\"host:2222\"]"
+        return (f"add a {job!r} job to the tf.train.ClusterSpec of the resolver passed as cluster_resolver=, "
+                f"e.g. {{..., \"{job}\": [\"localhost:2224\"]}}")
+
+
 def _fail(source: str, message: str) -> None:
     raise ClusterConfigError(f"{source}: {message}")
 
@@ -143,19 +201,20 @@ def _check_address(source: str, job: str, i: int, address: Any) -> tuple[str, in
     return host, int(port)
 
 
-def _validate(data: Any, source: str) -> ClusterConfig:
-    if not isinstance(data, Mapping):
-        _fail(source, f"must be a JSON object with 'cluster' and 'task'. Received: {data!r}")
-    if "cluster" not in data:
-        _fail(source, "field 'cluster' is missing. Expected e.g. "
-                      '{"cluster": {"worker": ["localhost:2222", "localhost:2223"]}, '
-                      '"task": {"type": "worker", "index": 0}}. '
-                      f"Received fields: {sorted(data)}")
-    if "task" not in data:
-        _fail(source, "field 'task' is missing. Expected e.g. "
-                      '"task": {"type": "worker", "index": 0} naming this process. '
-                      f"Received fields: {sorted(data)}")
-    cluster, task = data["cluster"], data["task"]
+def validate_jobs(cluster: Any, source: str) -> dict[str, tuple[str, ...]]:
+    """Validates a cluster's jobs and addresses; returns `{job: (address, ...)}`.
+
+    Args:
+        cluster: a mapping of job type to a list of `"host:port"` strings, as
+            in TF_CONFIG's `cluster` or `tf.train.ClusterSpec.as_dict()`.
+        source: str. How the cluster was given (`ClusterSource.label`), the
+            prefix of every error message.
+
+    Raises:
+        ClusterConfigError: the cluster is empty, a job type is unknown, an
+            address is not `host:port`, two tasks share an address, or there
+            is more than one chief.
+    """
     if not isinstance(cluster, Mapping) or not cluster:
         _fail(source, "field 'cluster' must be a non-empty object mapping job type to a list of "
                       f"'host:port' addresses. Received: cluster={cluster!r}")
@@ -179,6 +238,23 @@ def _validate(data: Any, source: str) -> ClusterConfig:
     if len(jobs.get("chief", ())) > 1:
         _fail(source, f"field 'cluster.chief' must have exactly one task. Received: {len(jobs['chief'])} "
                       f"tasks {list(jobs['chief'])}")
+    return jobs
+
+
+def _validate(data: Any, source: str) -> ClusterConfig:
+    if not isinstance(data, Mapping):
+        _fail(source, f"must be a JSON object with 'cluster' and 'task'. Received: {data!r}")
+    if "cluster" not in data:
+        _fail(source, "field 'cluster' is missing. Expected e.g. "
+                      '{"cluster": {"worker": ["localhost:2222", "localhost:2223"]}, '
+                      '"task": {"type": "worker", "index": 0}}. '
+                      f"Received fields: {sorted(data)}")
+    if "task" not in data:
+        _fail(source, "field 'task' is missing. Expected e.g. "
+                      '"task": {"type": "worker", "index": 0} naming this process. '
+                      f"Received fields: {sorted(data)}")
+    cluster, task = data["cluster"], data["task"]
+    jobs = validate_jobs(cluster, source)
     if not isinstance(task, Mapping):
         _fail(source, f"field 'task' must be an object with 'type' and 'index'. Received: task={task!r}")
     task_type = task.get("type")

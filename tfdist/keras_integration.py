@@ -389,7 +389,7 @@ def uninstall() -> None:
 def configure_variable_creation(strategy, on_read_devices=None) -> None:
     """Adjusts how `strategy` creates variables for Keras 3 layers and metrics.
 
-    Two upstream gaps, both fixed at variable creation so no step code changes:
+    Three upstream gaps, all fixed at variable creation so no step code changes:
 
     1. Layer state is not kept in sync (no upstream fix as of Keras 3.15): Keras
        3 creates non-trainable layer state such as BatchNormalization's moving
@@ -409,8 +409,27 @@ def configure_variable_creation(strategy, on_read_devices=None) -> None:
        where one device gives 0.122 on the bundled digits). Such ON_READ state
        is instead created per compute device (a `SyncOnReadVariable`, as
        MirroredStrategy does): local updates, summed when read.
+    3. With `on_read_devices` (CentralStorageStrategy): a model with `Dropout`
+       (or any layer drawing random numbers) fails in `fit` with the same "You
+       must specify an aggregation method to update a AggregatingVariable"
+       error (no upstream issue for CentralStorageStrategy that we know of).
+       Since the fix of keras-team/keras#20611 (Dropout failing under
+       MirroredStrategy in Keras 3.7; proposed in keras-team/keras#20612),
+       Keras creates `SeedGenerator`'s int64 state with `aggregation="none"`,
+       like `tf.random.Generator`: under MirroredStrategy each replica then
+       advances its own copy, identically; the single copy
+       CentralStorageStrategy keeps cannot be assigned from a replica without
+       an aggregation, and MEAN is refused for integers. Non-trainable,
+       non-floating state created with aggregation NONE (seed generators,
+       integer counters) gets ONLY_FIRST_REPLICA there: every replica reads
+       the same state, and replica 0's update is written once per step, so a
+       seed generator advances exactly as on one device and as each copy does
+       under MirroredStrategy (a replica-dependent update keeps replica 0's,
+       as a MirroredStrategy checkpoint does). MirroredStrategy keeps NONE:
+       its copies already advance together without a cross-device write.
 
-    Verified on TensorFlow 2.16 to 2.21 with Keras 3.5 to 3.15.
+    Verified on TensorFlow 2.16 to 2.21 with Keras 3.5 to 3.15 (item 3 on
+    TensorFlow 2.21 with Keras 3.15).
     """
     from tensorflow.python.distribute import distribute_utils
 
@@ -421,20 +440,41 @@ def configure_variable_creation(strategy, on_read_devices=None) -> None:
         synchronization = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
         if on_read_devices and synchronization == tf.VariableSynchronization.ON_READ:
             return _create_per_device(strategy, on_read_devices, next_creator, distribute_utils, **kwargs)
-        dtype = kwargs.get("dtype")
-        if dtype is None and not callable(kwargs.get("initial_value")):
-            dtype = getattr(kwargs.get("initial_value"), "dtype", None)
         if (
             not kwargs.get("trainable", True)
             and synchronization != tf.VariableSynchronization.ON_READ
             and kwargs.get("aggregation", tf.VariableAggregation.NONE) == tf.VariableAggregation.NONE
-            and dtype is not None
-            and tf.as_dtype(dtype).is_floating
         ):
-            kwargs["aggregation"] = tf.VariableAggregation.MEAN
+            aggregation = _state_aggregation(_creation_dtype(kwargs), single_copy=bool(on_read_devices))
+            if aggregation is not None:
+                kwargs["aggregation"] = aggregation
         return original(next_creator, **kwargs)
 
     extended._create_variable = create_variable
+
+
+def _creation_dtype(kwargs):
+    """The dtype of the variable `kwargs` create, or None when only the initializer knows it."""
+    dtype = kwargs.get("dtype")
+    if dtype is None and not callable(kwargs.get("initial_value")):
+        dtype = getattr(kwargs.get("initial_value"), "dtype", None)
+    return None if dtype is None else tf.as_dtype(dtype)
+
+
+def _state_aggregation(dtype, single_copy: bool):
+    """Aggregation for non-trainable state created with NONE, or None to keep NONE.
+
+    Floating-point state is averaged over replicas (BatchNorm's moving
+    statistics). Other state — integer seed-generator state, counters, or a
+    dtype not known at creation — only needs a replica-context write where
+    there is a single copy (`single_copy`, CentralStorageStrategy), where
+    replica 0's value is written (a seed generator's is every replica's).
+    """
+    if dtype is not None and dtype.is_floating:
+        return tf.VariableAggregation.MEAN
+    if single_copy:
+        return tf.VariableAggregation.ONLY_FIRST_REPLICA
+    return None
 
 
 def _create_per_device(strategy, devices, next_creator, distribute_utils, **kwargs):
@@ -1049,6 +1089,7 @@ def distribute_dataset(strategy, dataset, options, distribute):
 # ---------------------------------------------------------------------------
 
 _SHARDED_HOOKS = (
+    "apply",
     "build",
     "_clip_gradients",
     "finalize_variable_values",
@@ -1059,7 +1100,7 @@ _SHARDED_HOOKS = (
 
 
 def install_sharded_optimizer(optimizer, sharded) -> None:
-    """Routes `optimizer`'s build, clipping, EMA finalisation and checkpointing to `sharded`.
+    """Routes `optimizer`'s apply, build, clipping, EMA finalisation and checkpointing to `sharded`.
 
     `sharded` (a `tfdist.strategies.sharded_optimizer.ShardedState`) provides
     one method per name in `_SHARDED_HOOKS`. They are set on the instance,
@@ -1067,6 +1108,8 @@ def install_sharded_optimizer(optimizer, sharded) -> None:
     Keras's) and optimizers outside the sharded strategy are untouched. Keras
     calls `optimizer.build(model.trainable_variables)` from `fit`,
     `compile_from_config` and `apply`; every such call now builds the slices.
+    `apply` (and `apply_gradients`, which calls it) from a custom `train_step`
+    or training loop runs the sharded update.
     """
     for name in _SHARDED_HOOKS:
         object.__setattr__(optimizer, name, getattr(sharded, name))

@@ -10,11 +10,14 @@ import sys
 import time
 
 import pytest
+import tensorflow as tf
 
 import tfdist
+from tests.child_processes import no_leftover_processes  # noqa: F401 (fixture)
 from tests.strategies.ps_cluster import REPO, Cluster, free_ports
 
 JOB = os.path.join(REPO, "tests", "strategies", "ps_job.py")
+IN_PROCESS_JOB = os.path.join(REPO, "tests", "strategies", "ps_in_process_job.py")
 
 
 def _tf_config(cluster: dict, task: str = "chief", index: int = 0) -> str:
@@ -42,35 +45,159 @@ def _wait_for(predicate, timeout: float, what: str):
 # ---------------------------------------------------------------------------
 
 
-def test_tf_config_without_ps_tasks_is_rejected(monkeypatch):
-    monkeypatch.setenv("TF_CONFIG", _tf_config({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}))
-    with pytest.raises(ValueError) as e:
-        tfdist.get_strategy("parameter_server")
+def _resolver(cluster: dict, task_type=None, task_id=None):
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type=task_type, task_id=task_id, rpc_layer="grpc"
+    )
+
+
+@pytest.fixture
+def environment(monkeypatch):
+    """Sets how the cluster is given: `environment("TF_CONFIG", tf_config)`, `("tfdist launch", ...)`."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.delenv("TFDIST_RESTART_COUNT", raising=False)
+
+    def set_up(kind: str, tf_config: str | None = None):
+        if tf_config is not None:
+            monkeypatch.setenv("TF_CONFIG", tf_config)
+        if kind == "tfdist launch":
+            monkeypatch.setenv("TFDIST_RESTART_COUNT", "0")  # as `tfdist launch` sets it
+
+    return set_up
+
+
+NO_PS = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+NO_CHIEF = {"worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+TUTORIAL = "(e.g. tfdist launch --chief --workers 2 --ps 1 -- python train.py)"
+MULTI_WORKER = "; or use strategy 'multi_worker' for synchronous training without parameter servers."
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        (
+            "TF_CONFIG",
+            "from TF_CONFIG. To fix it, add a 'ps' job to the cluster in every process's TF_CONFIG, "
+            'e.g. "ps": ["host:2222"]' + MULTI_WORKER,
+        ),
+        (
+            "tfdist launch",
+            f"from the TF_CONFIG set by `tfdist launch`. To fix it, add --ps 1 to the `tfdist launch` "
+            f"command {TUTORIAL}" + MULTI_WORKER,
+        ),
+        (
+            "cluster_resolver",
+            "from cluster_resolver=SimpleClusterResolver. To fix it, add a 'ps' job to the "
+            'tf.train.ClusterSpec of the resolver passed as cluster_resolver=, e.g. {..., "ps": '
+            '["localhost:2224"]}' + MULTI_WORKER,
+        ),
+    ],
+)
+def test_cluster_without_ps_tasks_is_rejected_naming_its_source(kind, expected, environment):
+    if kind == "cluster_resolver":
+        environment(kind)
+        options = {"cluster_resolver": _resolver({"worker": ["127.0.0.1:2"]})}
+        jobs = "['worker']"
+    else:
+        environment(kind, _tf_config(NO_PS))
+        options = {}
+        jobs = "['chief', 'worker']"
+    with pytest.raises(tfdist.ClusterConfigError) as e:
+        tfdist.get_strategy("parameter_server", **options)
     assert str(e.value) == (
         "Strategy 'parameter_server' needs a 'ps' job with at least one task to hold the variables. "
-        "Received: cluster jobs ['chief', 'worker']. Add ps tasks to TF_CONFIG's cluster "
-        "(tfdist launch --ps 1 ...), or use strategy 'multi_worker' for synchronous training "
-        "without parameter servers."
+        f"Received: cluster jobs {jobs} " + expected
     )
 
 
-def test_tf_config_without_chief_is_rejected(monkeypatch):
-    monkeypatch.setenv(
-        "TF_CONFIG", _tf_config({"worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}, task="worker")
+def test_resolver_without_workers_is_rejected_naming_it(environment):
+    environment("cluster_resolver")
+    with pytest.raises(tfdist.ClusterConfigError) as e:
+        tfdist.get_strategy("parameter_server", cluster_resolver=_resolver({"ps": ["127.0.0.1:3"]}))
+    assert str(e.value) == (
+        "Strategy 'parameter_server' needs a 'worker' job with at least one task to run the training "
+        "steps. Received: cluster jobs ['ps'] from cluster_resolver=SimpleClusterResolver. To fix it, "
+        "add a 'worker' job to the tf.train.ClusterSpec of the resolver passed as cluster_resolver=, "
+        'e.g. {..., "worker": ["localhost:2224"]}.'
     )
-    with pytest.raises(ValueError) as e:
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        (
+            "TF_CONFIG",
+            "Strategy 'parameter_server' needs a 'chief' job in TF_CONFIG: the coordinator that builds "
+            "the model and runs model.fit, and whose end the worker and ps tasks wait for. Received: "
+            "cluster jobs ['ps', 'worker'] from TF_CONFIG. To fix it, add a 'chief' job to the cluster "
+            "in every process's TF_CONFIG, e.g. \"chief\": [\"host:2222\"]; or coordinate from a process "
+            "outside the cluster by passing it cluster_resolver=tf.distribute.cluster_resolver."
+            "SimpleClusterResolver(cluster_spec, rpc_layer='grpc').",
+        ),
+        (
+            "tfdist launch",
+            "Strategy 'parameter_server' needs a 'chief' job in the TF_CONFIG set by `tfdist launch`: the "
+            "coordinator that builds the model and runs model.fit, and whose end the worker and ps tasks "
+            "wait for. Received: cluster jobs ['ps', 'worker'] from the TF_CONFIG set by `tfdist launch`. "
+            f"To fix it, add --chief to the `tfdist launch` command {TUTORIAL}.",
+        ),
+    ],
+)
+def test_tf_config_without_chief_is_rejected_naming_its_source(kind, expected, environment):
+    environment(kind, _tf_config(NO_CHIEF, task="worker"))
+    with pytest.raises(tfdist.ClusterConfigError) as e:
+        tfdist.get_strategy("parameter_server")
+    assert str(e.value) == expected
+
+
+def test_resolver_naming_a_missing_chief_task_is_rejected(environment):
+    environment("cluster_resolver")
+    with pytest.raises(tfdist.ClusterConfigError) as e:
+        tfdist.get_strategy("parameter_server", cluster_resolver=_resolver(NO_CHIEF, "chief", 0))
+    assert str(e.value) == (
+        "Strategy 'parameter_server' got a resolver whose task is 'chief', but its cluster has no "
+        "'chief' job. Received: task_type='chief' and cluster jobs ['ps', 'worker'] from "
+        "cluster_resolver=SimpleClusterResolver. To coordinate from this process, outside the cluster, "
+        "leave the resolver's task_type None, e.g. SimpleClusterResolver(cluster_spec, rpc_layer='grpc'); "
+        "or add a 'chief' job to the tf.train.ClusterSpec of the resolver passed as cluster_resolver=, "
+        'e.g. {..., "chief": ["localhost:2224"]}.'
+    )
+
+
+def test_evaluator_needs_a_chief(environment):
+    environment("cluster_resolver")
+    with pytest.raises(tfdist.ClusterConfigError) as e:
+        tfdist.get_strategy("parameter_server", cluster_resolver=_resolver(NO_CHIEF, "evaluator", 0))
+    assert str(e.value) == (
+        "Strategy 'parameter_server' runs a sidecar evaluator beside a 'chief' job only: it evaluates "
+        "the chief's checkpoints and exits when the chief does. Received: cluster jobs ['ps', 'worker'] "
+        "from cluster_resolver=SimpleClusterResolver and task type 'evaluator'. To fix it, add a 'chief' "
+        "job to the tf.train.ClusterSpec of the resolver passed as cluster_resolver=, e.g. {..., "
+        '"chief": ["localhost:2224"]}; or call model.evaluate in the coordinating process.'
+    )
+
+
+def test_resolver_with_a_bad_address_is_rejected_naming_it(environment):
+    environment("cluster_resolver")
+    resolver = _resolver({"worker": ["localhost"], "ps": ["127.0.0.1:3"]})
+    with pytest.raises(tfdist.ClusterConfigError) as e:
+        tfdist.get_strategy("parameter_server", cluster_resolver=resolver)
+    assert str(e.value) == (
+        "cluster_resolver=SimpleClusterResolver: field 'cluster.worker[0]' must be a 'host:port' string "
+        "such as 'localhost:2222'. Received: cluster.worker[0]='localhost' (no port)"
+    )
+
+
+def test_missing_tf_config_is_rejected(environment):
+    environment("TF_CONFIG")
+    with pytest.raises(tfdist.ClusterConfigError) as e:
         tfdist.get_strategy("parameter_server")
     assert str(e.value) == (
-        "Strategy 'parameter_server' needs a 'chief' job with exactly one task: the coordinator that "
-        "builds the model and runs model.fit. Received: cluster jobs ['ps', 'worker']. Add one chief "
-        "to TF_CONFIG's cluster (tfdist launch --chief ...)."
+        "Strategy 'parameter_server' needs a cluster of worker and ps tasks. Set TF_CONFIG in every "
+        "process, with a chief to coordinate (tfdist launch --chief --workers 2 --ps 1 -- python "
+        "train.py does it for a local job), or pass cluster_resolver= a ClusterResolver of the worker "
+        "and ps tasks to coordinate them from this process. Received: TF_CONFIG unset"
     )
-
-
-def test_missing_tf_config_is_rejected(monkeypatch):
-    monkeypatch.delenv("TF_CONFIG", raising=False)
-    with pytest.raises(ValueError, match=r"Received: TF_CONFIG unset$"):
-        tfdist.get_strategy("parameter_server")
 
 
 @pytest.mark.parametrize(
@@ -149,6 +276,74 @@ def test_sidecar_evaluator_evaluates_the_chiefs_latest_checkpoint(monkeypatch, t
         )
         assert logs == [pytest.approx(expected[-1], rel=1e-6)]
     assert expected[1]["loss"] < expected[0]["loss"]
+
+
+# ---------------------------------------------------------------------------
+# No chief: the coordinator in the current process, as in TensorFlow's tutorial.
+# ---------------------------------------------------------------------------
+
+
+def _child_env() -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
+    for name in ("TF_CONFIG", "TFDIST_RESTART_COUNT", "TFDIST_LOCAL_DEVICES"):
+        env.pop(name, None)
+    return env
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_in_process_cluster_without_chief_trains():
+    # tests/strategies/ps_in_process_job.py: the tutorial's create_in_process_cluster
+    # (2 workers and 1 ps as tf.distribute.Servers in the coordinator's process) and a
+    # SimpleClusterResolver of worker and ps jobs only, naming no task.
+    out = subprocess.run(
+        [sys.executable, IN_PROCESS_JOB, "2", "1"], env=_child_env(), capture_output=True, text=True,
+        timeout=120, cwd=REPO,
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    r = _result(out.stdout)
+    assert (r["task_type"], r["num_workers"], r["num_ps"]) == ("chief", 2, 1)
+    assert r["variable_jobs"] == ["ps"]
+    # 3 epochs of 20 steps, summed over both workers (one more per retried closure).
+    assert 60 <= r["iterations"] <= 62, r
+    loss = r["loss"]
+    assert loss[0] > loss[1] > loss[2], r
+    assert loss[2] < 0.5 * loss[0], r
+    assert r["eval"]["accuracy"] > 0.6, r
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_worker_of_a_cluster_without_chief_serves_until_sigterm():
+    # No chief to watch for the end of the job: the task serves until it is stopped.
+    worker, ps = free_ports(2)
+    script = (
+        "import tensorflow as tf, tfdist\n"
+        f"spec = tf.train.ClusterSpec({{'worker': ['127.0.0.1:{worker}'], 'ps': ['127.0.0.1:{ps}']}})\n"
+        "resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(\n"
+        "    spec, task_type='worker', task_id=0, rpc_layer='grpc')\n"
+        "task = tfdist.get_strategy('parameter_server', cluster_resolver=resolver, join=False)\n"
+        "print(task, flush=True)\n"
+        "task.join()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, cwd=REPO,
+    )
+    try:
+        from tfdist.strategies.parameter_server import _chief_reachable
+
+        _wait_for(lambda: _chief_reachable(f"127.0.0.1:{worker}") or proc.poll() is not None, 60, "the server")
+        time.sleep(2.0)  # serving: it must not exit by itself
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.terminate()
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.startswith(f"<tfdist ServingTask worker:0 target='grpc://127.0.0.1:{worker}'>"), stdout
 
 
 # ---------------------------------------------------------------------------

@@ -575,3 +575,94 @@ def test_two_workers_train_stages_1_and_2_like_one_process_and_save_the_full_sta
         assert max_relative_difference(weights, restored.get_weights()) == 0.0
         assert max_relative_difference(state, canonical(restored)) == 0.0
     assert not [p for p in os.listdir(tmp_path) if p.startswith("tfdist_")]  # non-chief temp dirs removed
+
+
+# Custom train_step and custom training loops ------------------------------------
+
+
+class OwnStepModel(keras.Model):
+    """keras-io "customizing what happens in fit": its own GradientTape and optimizer.apply."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(10)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
+def _own_step_model():
+    keras.utils.set_random_seed(0)
+    model = OwnStepModel()
+    model(np.zeros((1, 64), np.float32))
+    model.compile(
+        optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_custom_train_step_gets_the_sharded_update(stage, data10):
+    x, y = data10
+    reference = _own_step_model()
+    reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    # 4 replicas share the batch of 32 evenly: Keras's compute_loss divides each
+    # replica's mean loss by the replica count, which is the global mean only then.
+    with sharded(4, stage=stage).scope():
+        model = _own_step_model()
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
+    assert max_relative_difference(canonical(reference), canonical(model)) < 1e-5
+    # The optimizer holds slots for one flat slice per replica, not per model variable.
+    assert model.optimizer.variables[-1].shape == (ki.sharded_state(model.optimizer).layout.shard_size,)
+
+
+def test_custom_training_loop_over_a_compiled_model_is_sharded(data10):
+    x, y = data10
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+
+    def run(strategy):
+        with strategy.scope():
+            model = build_model(optimizer=keras.optimizers.Adam(0.01))
+            model.optimizer.build(model.trainable_variables)
+        dist = strategy.experimental_distribute_dataset(batches)
+
+        @tf.function
+        def step(batch):
+            def replica_fn(batch):
+                xb, yb = batch
+                with tf.GradientTape() as tape:
+                    loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)), global_batch_size=32)
+                model.optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+            strategy.run(replica_fn, args=(batch,))
+
+        for batch in dist:
+            step(batch)
+        return model
+
+    reference = run(tf.distribute.get_strategy())
+    model = run(sharded(2, stage=2))
+    assert ki.sharded_state(model.optimizer) is not None
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
+    assert max_relative_difference(canonical(reference), canonical(model)) < 1e-5
+
+
+def test_optimizer_apply_in_cross_replica_context_is_refused(data10):
+    with sharded(2).scope():
+        model = build_model(optimizer=keras.optimizers.Adam(0.01))
+        model.optimizer.build(model.trainable_variables)
+        grads = [tf.zeros_like(v) for v in model.trainable_variables]
+        with pytest.raises(RuntimeError, match=r"call optimizer.apply\(\.\.\.\) inside strategy.run"):
+            model.optimizer.apply(grads, model.trainable_variables)

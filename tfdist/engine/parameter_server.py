@@ -1,5 +1,9 @@
 """The host loop of parameter-server training: Keras `fit`/`evaluate`/`predict` on the chief.
 
+The chief is the coordinating process: the `chief` task of the cluster, or the
+current process when the strategy's `cluster_resolver` names no task (a
+cluster of worker and ps jobs only, as in TensorFlow's tutorial).
+
 Keras owns the callbacks, progress bar and history; this module owns what a
 parameter-server job changes about the loop:
 
@@ -361,8 +365,8 @@ def _atomic_saves(model):
 def _check_chief(strategy, method: str) -> None:
     if strategy.task_type != "chief":
         raise ValueError(
-            f"model.{method} under strategy 'parameter_server' runs on the chief only. "
-            f"Received: model.{method} in task {strategy.task_type!r}"
+            f"model.{method} under strategy 'parameter_server' runs on the chief (the coordinating "
+            f"process) only. Received: model.{method} in task {strategy.task_type!r}"
         )
 
 

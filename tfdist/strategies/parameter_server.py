@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -14,6 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfdist import cluster as cluster_lib
 from tfdist import keras_integration
 from tfdist import options as options_lib
 from tfdist.strategies.base import TfdistStrategy
@@ -63,64 +63,83 @@ JOIN = options_lib.Option(
 )
 
 
-def _cluster_error(message: str) -> ValueError:
-    """`tfdist.cluster.ClusterConfigError` when that module exists, else `ValueError`."""
-    try:
-        from tfdist.cluster import ClusterConfigError
-    except ImportError:
-        return ValueError(message)
-    return ClusterConfigError(message)
-
-
 def _resolve_cluster(cluster_resolver) -> tf.distribute.cluster_resolver.ClusterResolver:
-    """The cluster, validated for parameter-server training before any server starts."""
+    """The cluster, validated for parameter-server training before any server starts.
+
+    A cluster needs worker and ps tasks. Its coordinator is the `chief` task,
+    or, as in TensorFlow's `ParameterServerStrategy`, the current process
+    when `cluster_resolver` names no task (`task_type=None`): TensorFlow then
+    connects it to the cluster as the chief. A TF_CONFIG job is every one of
+    its processes, so it must list its chief. Every error names where the
+    cluster came from (`cluster_lib.ClusterSource`) and how to fix it there.
+    """
+    source = cluster_lib.ClusterSource.of(cluster_resolver)
     if cluster_resolver is None:
         raw = os.environ.get("TF_CONFIG", "")
         if not raw.strip():
-            raise _cluster_error(
-                "Strategy 'parameter_server' needs a cluster with a chief, workers and ps tasks. "
-                "Set TF_CONFIG in every process (tfdist launch --chief --workers 2 --ps 1 -- "
-                "python train.py does it for a local job) or pass cluster_resolver=. "
+            raise cluster_lib.ClusterConfigError(
+                "Strategy 'parameter_server' needs a cluster of worker and ps tasks. Set TF_CONFIG "
+                "in every process, with a chief to coordinate (tfdist launch --chief --workers 2 "
+                "--ps 1 -- python train.py does it for a local job), or pass cluster_resolver= a "
+                "ClusterResolver of the worker and ps tasks to coordinate them from this process. "
                 "Received: TF_CONFIG unset"
             )
-        try:
-            from tfdist.cluster import parse_tf_config
-        except ImportError:
-            try:
-                json.loads(raw)
-            except ValueError as e:
-                raise _cluster_error(f"TF_CONFIG is not valid JSON: {e}. Received: TF_CONFIG={raw!r}") from None
-        else:
-            parse_tf_config(raw)  # One place validates TF_CONFIG's shape; it raises ClusterConfigError.
+        cluster_lib.parse_tf_config(raw)  # One place validates TF_CONFIG's shape.
         cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    else:
+        spec = cluster_resolver.cluster_spec().as_dict()
+        if cluster_resolver.task_type is None:
+            cluster_lib.validate_jobs(spec, source.label)
+        elif cluster_resolver.task_type == "chief" and "chief" not in spec:
+            raise cluster_lib.ClusterConfigError(
+                "Strategy 'parameter_server' got a resolver whose task is 'chief', but its cluster has "
+                f"no 'chief' job. Received: task_type='chief' and cluster jobs {sorted(spec)} from "
+                f"{source.label}. To coordinate from this process, outside the cluster, leave the "
+                "resolver's task_type None, e.g. SimpleClusterResolver(cluster_spec, rpc_layer='grpc'); "
+                f"or {source.add_job('chief')}."
+            )
+        else:
+            cluster_lib.ClusterConfig.create(
+                spec, cluster_resolver.task_type, cluster_resolver.task_id,
+                cluster_resolver.rpc_layer or "grpc", source=source.label,
+            )
     jobs = cluster_resolver.cluster_spec().as_dict()
-    received = f"Received: cluster jobs {sorted(jobs)}"
+    received = f"Received: cluster jobs {sorted(jobs)} from {source.label}"
     if not jobs.get("ps"):
-        raise _cluster_error(
+        raise cluster_lib.ClusterConfigError(
             "Strategy 'parameter_server' needs a 'ps' job with at least one task to hold the "
-            f"variables. {received}. Add ps tasks to TF_CONFIG's cluster "
-            "(tfdist launch --ps 1 ...), or use strategy 'multi_worker' for synchronous "
-            "training without parameter servers."
+            f"variables. {received}. To fix it, {source.add_job('ps')}; or use strategy "
+            "'multi_worker' for synchronous training without parameter servers."
         )
     if not jobs.get("worker"):
-        raise _cluster_error(
+        raise cluster_lib.ClusterConfigError(
             "Strategy 'parameter_server' needs a 'worker' job with at least one task to run the "
-            f"training steps. {received}. Add worker tasks to TF_CONFIG's cluster (tfdist launch --workers 2 ...)."
+            f"training steps. {received}. To fix it, {source.add_job('worker')}."
         )
-    chief = jobs.get("chief")
-    if not chief or len(chief) != 1:
-        raise _cluster_error(
-            "Strategy 'parameter_server' needs a 'chief' job with exactly one task: the "
-            f"coordinator that builds the model and runs model.fit. {received}"
-            + (f" with {len(chief)} chief tasks" if chief else "")
-            + ". Add one chief to TF_CONFIG's cluster (tfdist launch --chief ...)."
+    if jobs.get("chief"):
+        return cluster_resolver
+    if source.kind != "cluster_resolver":
+        outside = (
+            "; or coordinate from a process outside the cluster by passing it "
+            "cluster_resolver=tf.distribute.cluster_resolver.SimpleClusterResolver(cluster_spec, "
+            "rpc_layer='grpc')"
+            if source.kind == "TF_CONFIG"
+            else ""
         )
-    task_type = cluster_resolver.task_type
-    if task_type not in ("chief", "worker", "ps", "evaluator"):
-        raise _cluster_error(
-            "Strategy 'parameter_server' runs tasks of type 'chief', 'worker', 'ps' or "
-            f"'evaluator'. Received: task type {task_type!r}"
+        raise cluster_lib.ClusterConfigError(
+            f"Strategy 'parameter_server' needs a 'chief' job in {source.label}: the coordinator "
+            "that builds the model and runs model.fit, and whose end the worker and ps tasks wait "
+            f"for. {received}. To fix it, {source.add_job('chief')}{outside}."
         )
+    if cluster_resolver.task_type == "evaluator":
+        raise cluster_lib.ClusterConfigError(
+            "Strategy 'parameter_server' runs a sidecar evaluator beside a 'chief' job only: it "
+            "evaluates the chief's checkpoints and exits when the chief does. "
+            f"{received} and task type 'evaluator'. To fix it, {source.add_job('chief')}; or "
+            "call model.evaluate in the coordinating process."
+        )
+    # The coordinator is this process (task_type None); a worker or ps task
+    # of such a cluster serves until it is stopped.
     return cluster_resolver
 
 
@@ -140,7 +159,9 @@ class ServingTask:
     """A worker or ps task's running server, returned by `ParameterServerStrategy(join=False)`.
 
     Such a process serves the chief: it cannot build or fit models. `join()`
-    serves until the job ends and exits the process.
+    serves until the job ends and exits the process. In a cluster without a
+    chief (its coordinator outside the cluster, given by `cluster_resolver=`)
+    there is no chief to watch: the task serves until it gets SIGTERM.
 
     Attributes:
         task_type: str. `"worker"` or `"ps"`.
@@ -152,7 +173,7 @@ class ServingTask:
         self.task_type = resolver.task_type
         self.task_id = resolver.task_id
         self.server = server
-        self._chief = resolver.cluster_spec().as_dict()["chief"][0]
+        self._chief = (resolver.cluster_spec().as_dict().get("chief") or [None])[0]
 
     def _not_here(self, what: str):
         return ValueError(
@@ -166,7 +187,10 @@ class ServingTask:
         raise self._not_here("strategy.scope()")
 
     def join(self) -> None:
-        """Serves until the chief is gone (the job ended) or SIGTERM, then exits the process with 0."""
+        """Serves until the chief is gone (the job ended) or SIGTERM, then exits the process with 0.
+
+        Without a chief in the cluster, serves until SIGTERM.
+        """
         serve_until_job_ends(self._chief)
 
     def __repr__(self) -> str:
@@ -288,13 +312,15 @@ def _chief_reachable(address: str) -> bool:
         return False
 
 
-def serve_until_job_ends(chief_address: str, poll_seconds: float = 0.5, gone_after: int = 4) -> None:
+def serve_until_job_ends(chief_address: str | None, poll_seconds: float = 0.5, gone_after: int = 4) -> None:
     """Blocks while the job runs; exits the process with status 0 when it ends.
 
     The job has ended when the chief, having been reachable, stops accepting
     connections for `gone_after` polls in a row, or when the process gets
-    SIGTERM (what `tfdist launch` and Kubernetes send). A TensorFlow server
-    cannot be stopped in-process, so the process exits.
+    SIGTERM (what `tfdist launch` and Kubernetes send). With no chief
+    (`chief_address=None`: the coordinator is outside the cluster), only
+    SIGTERM ends it. A TensorFlow server cannot be stopped in-process, so the
+    process exits.
     """
 
     def leave(*_):
@@ -303,6 +329,9 @@ def serve_until_job_ends(chief_address: str, poll_seconds: float = 0.5, gone_aft
     signal.signal(signal.SIGTERM, leave)
     seen, missing = False, 0
     while True:
+        if chief_address is None:
+            time.sleep(poll_seconds)
+            continue
         if _chief_reachable(chief_address):
             seen, missing = True, 0
         elif seen:
@@ -323,6 +352,12 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
     creating the strategy starts the task's server and blocks until the job
     ends, then exits the process, so only the chief runs the model code.
 
+    As with TensorFlow's own strategy, the coordinator may instead be the
+    current process outside the cluster: pass a `cluster_resolver` of worker
+    and ps jobs (no chief) that names no task, e.g. the
+    `SimpleClusterResolver(cluster_spec, rpc_layer="grpc")` of TensorFlow's
+    parameter-server tutorial, whose servers run in this process or others.
+
     Args:
         variable_partitioner: Optional. How variables are split across ps
             tasks along their first axis: `"num_shards:N"`,
@@ -330,7 +365,9 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
             specs use at most one shard per ps task) or a
             `tf.distribute.experimental.partitioners.Partitioner`. Default
             `None`: every variable whole, placed round-robin on ps tasks.
-        cluster_resolver: Optional `ClusterResolver`. Default: TF_CONFIG.
+        cluster_resolver: Optional `ClusterResolver`. Default: TF_CONFIG,
+            which must list a chief. A resolver with `task_type=None` makes
+            this process the coordinator; its cluster needs no chief.
         join: bool. On worker and ps tasks, block and exit when the job ends
             (default `True`); `False` returns a `ServingTask` instead.
         **options: step options (see `tfdist.options.STEP_OPTIONS`).
@@ -344,6 +381,11 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
         model = build_model()
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     model.fit(dataset, epochs=3, steps_per_epoch=100)
+
+    # or coordinate running worker and ps servers from this process (no chief)
+    spec = tf.train.ClusterSpec({"worker": ["localhost:2222", "localhost:2223"], "ps": ["localhost:2224"]})
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")
+    strategy = tfdist.get_strategy("parameter_server", cluster_resolver=resolver)
     ```
     """
 
@@ -409,7 +451,9 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
 
     @property
     def task_type(self) -> str:
-        return self._tfdist_resolver.task_type
+        """`"chief"`: this process coordinates (also when the resolver names no task; TensorFlow
+        then connects it to the cluster as the chief)."""
+        return self._tfdist_resolver.task_type or "chief"
 
     @property
     def cluster(self) -> dict:

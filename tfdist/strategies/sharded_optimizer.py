@@ -106,13 +106,6 @@ class _ShardedStrategyMixin:
                 "Optimizer(gradient_accumulation_steps=...) is not supported by the "
                 "'sharded_optimizer' strategy. Use the strategy option accumulation_steps=... instead."
             )
-        if ki.has_custom_train_step(model):
-            raise NotImplementedError(
-                f"A custom train_step ({type(model).__name__}.train_step) is not supported by the "
-                "'sharded_optimizer' strategy: it would call optimizer.apply with the model's "
-                "variables, but the optimizer holds state for one slice of them per replica. "
-                "Drop the custom train_step or use the mirrored strategy."
-            )
         if ki.sharded_state(optimizer) is not None:
             return
         if optimizer.built:
@@ -549,11 +542,10 @@ class ShardedState:
         return children
 
     # The step ----------------------------------------------------------------
-    def reduce(self, step, values: list) -> list:
+    def reduce(self, bucket_bytes: int, values: list) -> list:
         """Replica context: `[weighted grads..., weight]` -> `[this replica's summed slice, total weight]`."""
         ctx = tf.distribute.get_replica_context()
         replica = tf.get_static_value(ctx.replica_id_in_sync_group)
-        bucket_bytes = step.options.bucket_bytes
         grads = values[:-1]
         if self.strategy.stage == 1:
             summed = collectives.all_reduce_sum(values, bucket_bytes)
@@ -578,8 +570,13 @@ class ShardedState:
         self.gradient_buffer_bytes = held
         return [shard, total]
 
-    def apply(self, grads: list) -> None:
-        """Cross-replica context: update every slice, then all-gather into the model."""
+    def apply_reduced(self, grads: list) -> None:
+        """Cross-replica context (the engine's step): update every slice, then all-gather into the model."""
+        self._update_slices(grads)
+        self._assign_model(self.strategy.run(self._gathered_values))
+
+    def _update_slices(self, grads: list) -> None:
+        """Cross-replica context: each replica's optimizer update of its own slice."""
         strategy, layout = self.strategy, self.layout
         variables = [ki._tf_variable(v) for v in self.variables]
 
@@ -599,24 +596,80 @@ class ShardedState:
 
         (g,) = grads
         ki.apply_sharded_update(self.optimizer, g, self.flat, decay_mask)
-        self._all_gather_into_model(self.flat)
-        ki.advance_iterations(self.optimizer)
 
-    def _all_gather_into_model(self, source) -> None:
-        strategy = self.strategy
+    def _gathered_values(self) -> list:
+        """Replica context: every variable's updated value, all-gathered from the slices."""
         dtypes = [v.dtype for v in self.variables]
         constraints = [v.constraint for v in self.variables]
+        full = collectives.all_gather_shards(tf.convert_to_tensor(ki._tf_variable(self.flat)))
+        values = self.layout.unflatten(full, dtypes)
+        return [c(t) if c is not None else t for c, t in zip(constraints, values)]
 
-        def gather():
-            full = collectives.all_gather_shards(tf.convert_to_tensor(ki._tf_variable(source)))
-            values = self.layout.unflatten(full, dtypes)
-            return [c(t) if c is not None else t for c, t in zip(constraints, values)]
-
-        values = strategy.run(gather)
+    def _assign_model(self, values) -> None:
+        """Cross-replica context: writes gathered values into the model; the step is done."""
         for v, value in zip(self.variables, values):
-            strategy.extended.update(
+            self.strategy.extended.update(
                 ki._tf_variable(v), lambda x, t: x.assign(t), args=(value,), group=False
             )
+        ki.advance_iterations(self.optimizer)
+
+    def apply(self, grads, trainable_variables=None) -> None:
+        """`optimizer.apply` from a custom `train_step` or training loop (replica context).
+
+        Each replica passes its own gradients (Keras's `compute_loss` already
+        divided the loss by the replica count, so they sum to the global
+        gradient); they are reduced to slices as in the engine's step (stage 1
+        all-reduce, stage 2 reduce-scatter), clipped on the summed slice, and
+        each replica updates its slice; the slices are all-gathered into the
+        model. Keras's own optimizer would clip each replica's gradient before
+        summing; here clipping sees the summed gradient, as on one device.
+        """
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or tf.distribute.in_cross_replica_context():
+            raise RuntimeError(
+                f"The 'sharded_optimizer' strategy's optimizer {self.optimizer.name!r} applies "
+                "gradients per replica: call optimizer.apply(...) inside strategy.run(...) (as a "
+                "train_step or a custom training loop does), not in cross-replica context."
+            )
+        grads = list(grads)
+        optimizer = self.optimizer
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            if not optimizer.built:
+                optimizer.build(trainable_variables)
+        elif not optimizer.built:
+            raise ValueError(
+                "When passing `grads` without `variables`, the optimizer must already be built "
+                "on a list of variables. Call `optimizer.build(trainable_variables)` first."
+            )
+        else:
+            trainable_variables = self.variables
+        position = {id(ki._tf_variable(v)): i for i, v in enumerate(trainable_variables)}
+        ordered = []
+        for v in self.variables:
+            i = position.get(id(ki._tf_variable(v)))
+            if i is None:
+                raise ValueError(
+                    f"optimizer.apply() was given {len(trainable_variables)} variables without "
+                    f"{v.path!r}, which the 'sharded_optimizer' optimizer was built on: pass the "
+                    "gradients of all of `model.trainable_variables` (a missing gradient may be None)."
+                )
+            ordered.append(grads[i])
+        if len(trainable_variables) != len(self.variables):
+            raise ValueError(
+                f"optimizer.apply() was given {len(trainable_variables)} variables; the "
+                f"'sharded_optimizer' optimizer was built on {len(self.variables)}. Pass the "
+                "gradients of exactly `model.trainable_variables`."
+            )
+        scale = optimizer.loss_scale_factor
+        if scale is not None:
+            ordered = [g if g is None else g / scale for g in ordered]
+        ordered = [tf.convert_to_tensor(g) if isinstance(g, keras.Variable) else g for g in ordered]
+        shard, _ = self.reduce(self.strategy.options.bucket_bytes, ordered + [tf.constant(1.0)])
+        (shard,) = self._clip_gradients([shard])
+        ctx.merge_call(lambda _, g: self._update_slices([g]), args=(shard,))
+        values = self._gathered_values()
+        ctx.merge_call(lambda _, *v: self._assign_model(v), args=tuple(values))
 
     def _assign_model_variables(self, flat: np.ndarray) -> None:
         for v, value in zip(self.variables, self.layout.unflatten_numpy(flat)):
@@ -639,10 +692,10 @@ def sharded_optimizer_path(step, data) -> None:
     state = ki.sharded_state(step.optimizer)
 
     def replica_fn(batch):
-        return step.finish(state.reduce(step, step.local_gradients(batch)))
+        return step.finish(state.reduce(step.options.bucket_bytes, step.local_gradients(batch)))
 
     grads = step.strategy.run(replica_fn, args=(data,))
-    step.apply(grads, update_fn=state.apply)
+    step.apply(grads, update_fn=state.apply_reduced)
 
 
 register_gradient_path("sharded_optimizer", sharded_optimizer_path)
