@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.conftest import build_model
 from tests.strategies.parity import PARITY_RTOL, relative_difference, strategy_for, train_pair
 
 STRATEGIES = ["mirrored", "central_storage"]
@@ -123,3 +124,63 @@ def test_embedding_sparse_gradients_match_single_device(name):
         model = build()
     model.fit(tokens, labels, batch_size=32, epochs=2, shuffle=False, verbose=0)
     assert relative_difference(reference, model) < PARITY_RTOL
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_custom_training_loop_built_first_matches_single_device(name, digits):
+    # The README's custom-loop recipe: build model and optimizer in the scope,
+    # divide by the global batch, optimizer.apply per replica.
+    x, y = digits
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    batches = tf.data.Dataset.from_tensor_slices((x[:128], y[:128])).batch(32)
+
+    def run(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                                      keras.layers.Dense(10)])
+            optimizer = keras.optimizers.Adam(0.01)
+            optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def step(batch):
+            def replica_fn(batch):
+                xb, yb = batch
+                with tf.GradientTape() as tape:
+                    loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)), global_batch_size=32)
+                optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+                return loss
+
+            return strategy.reduce("SUM", strategy.run(replica_fn, args=(batch,)), axis=None)
+
+        losses = [float(step(b)) for b in strategy.experimental_distribute_dataset(batches)]
+        return model, losses
+
+    reference, ref_losses = run(tf.distribute.get_strategy())
+    model, losses = run(strategy_for(name, 2))
+    assert relative_difference(reference, model) < PARITY_RTOL
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("source", ["numpy_shuffle", "tf_data_shuffle_once"])
+def test_shuffled_input_matches_single_device_when_the_order_is_fixed(source, digits):
+    # The README's parity rule: Keras's own shuffling of arrays, or a seeded
+    # tf.data shuffle that does not reshuffle per iteration, gives the
+    # replicas the one-device order. (A reshuffling tf.data.shuffle does not,
+    # under stock tf.distribute either.)
+    x, y = digits
+    x, y = x[:256], y[:256]
+
+    def fit(model):
+        keras.utils.set_random_seed(1)
+        if source == "numpy_shuffle":
+            model.fit(x, y, batch_size=32, epochs=2, shuffle=True, verbose=0)
+        else:
+            ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=7, reshuffle_each_iteration=False)
+            model.fit(ds.batch(32), epochs=2, shuffle=False, verbose=0)
+        return model
+
+    reference = fit(build_model())
+    with strategy_for("mirrored", 2).scope():
+        model = build_model()
+    assert relative_difference(reference, fit(model)) < PARITY_RTOL
