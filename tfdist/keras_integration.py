@@ -145,73 +145,83 @@ def _tf_variable(v):
     return v.value if isinstance(v, keras.Variable) else v
 
 
-def _apply_weight_decay(optimizer, strategy, variables, learning_rate) -> None:
-    """Keras's decoupled weight decay, on every replica's copy of each variable."""
-    if optimizer.weight_decay is None:
-        return
-    for variable in variables:
-        if not optimizer._use_weight_decay(variable):
-            continue
-
-        def decay(v):
-            lr = tf.cast(learning_rate, v.dtype)
-            wd = tf.cast(optimizer.weight_decay, v.dtype)
-            return v.assign_sub(v * wd * lr)
-
-        strategy.extended.update(_tf_variable(variable), decay, group=False)
+def is_multi_optimizer(optimizer) -> bool:
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)  # Keras 3.13+
+    return multi is not None and isinstance(optimizer, multi)
 
 
-def apply_update(optimizer, grads: Sequence, variables: Sequence) -> None:
-    """Applies reduced gradients with the optimizer, in cross-replica context.
+def multi_optimizer_groups(optimizer, variables: Sequence) -> list:
+    """`[(sub_optimizer, [indices into variables]), ...]`: which sub-optimizer updates which variable.
 
-    This is Keras's `Optimizer.apply` without the parts tfdist's step engine
-    has already done (reduction across replicas, unscaling, clipping,
-    accumulation): weight decay, the optimizer's `update_step` on every
-    replica's copy of each variable, EMA, constraints and the iteration count.
-
-    Args:
-        optimizer: a built `keras.optimizers.Optimizer`.
-        grads: per-variable gradients: per-replica values from `strategy.run`
-            (all-reduce path) or tensors on the variables' device (reduce-to-
-            variables path).
-        variables: the trainable variables, in the order of `grads`.
+    Keras's `MultiOptimizer.apply` routes by `_var_to_optimizer_idx[_var_key(v)]`.
     """
-    from keras.src import backend as keras_backend
-    from keras.src import ops
+    groups: dict[int, list[int]] = {}
+    for i, v in enumerate(variables):
+        groups.setdefault(optimizer._var_to_optimizer_idx[optimizer._var_key(v)], []).append(i)
+    return [(optimizer._inner_optimizers[k], idx) for k, idx in sorted(groups.items())]
 
-    variables = list(variables)
-    grads = list(grads)
-    with keras_backend.name_scope(optimizer.name, caller=optimizer):
-        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
-        if not pairs:
-            return
-        grads = [g for g, _ in pairs]
-        variables = [v for _, v in pairs]
-        strategy = tf.distribute.get_strategy()
-        learning_rate = optimizer.learning_rate
-        _apply_weight_decay(optimizer, strategy, variables, learning_rate)
-        # The body Keras's TF optimizer runs through merge_call; we are already
-        # in cross-replica context, with gradients reduced.
-        optimizer._distributed_tf_update_step(
-            strategy, [(g, _tf_variable(v)) for g, v in zip(grads, variables)], learning_rate
+
+def overwrites_with_gradient(optimizer, variable) -> bool:
+    """Keras's float8 rule: the variable takes its gradient as its value (no optimizer step)."""
+    return bool(optimizer._overwrite_variable_with_gradient(variable))
+
+
+def optimizer_name_scope(optimizer):
+    from keras.src import backend as keras_backend
+
+    return keras_backend.name_scope(optimizer.name, caller=optimizer)
+
+
+def advance_per_step_state(optimizer) -> None:
+    """State an optimizer advances once per step outside `update_step`.
+
+    Nadam advances its `u_product` in `Nadam._backend_update_step`, which
+    Keras reaches through the distributed merge_call that tfdist's update has
+    already replaced; without this, Nadam under a strategy divides by a
+    `u_product` stuck at 1 and trains to NaN.
+    """
+    from keras.src.optimizers.nadam import Nadam
+
+    if isinstance(optimizer, Nadam):
+        from keras.src import ops
+
+        dtype = optimizer._u_product.dtype
+        optimizer.assign(
+            optimizer._u_product,
+            optimizer._u_product
+            * optimizer.beta_1
+            * (1.0 - 0.5 * ops.power(0.96, ops.cast(optimizer.iterations + 1, dtype))),
         )
-        if optimizer.use_ema:
-            optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
-            if optimizer.ema_overwrite_frequency:
-                should_overwrite = (
-                    optimizer.iterations + 1
-                ) % optimizer.ema_overwrite_frequency == 0
-                ops.cond(
-                    should_overwrite,
-                    lambda: optimizer._overwrite_model_variables_with_average_value(
-                        optimizer._trainable_variables
-                    ),
-                    lambda: None,
-                )
-        for variable in variables:
-            if variable.constraint is not None:
-                variable.assign(variable.constraint(variable))
-    optimizer._iterations.assign_add(1)
+
+
+def weight_decay_rate(optimizer, variable, masked: bool = False):
+    """The decoupled weight-decay rate Keras applies to `variable`, or `None`.
+
+    Muon decays its Adam-updated variables at `adam_weight_decay`. With
+    `masked`, the exclusion rule is the caller's (a per-element mask).
+    """
+    from keras.src.optimizers.muon import Muon
+
+    if isinstance(optimizer, Muon):
+        if not optimizer._use_weight_decay(variable):
+            return None
+        if optimizer._should_use_adamw(variable):
+            return optimizer.adam_weight_decay
+        return optimizer.weight_decay
+    if optimizer.weight_decay is None:
+        return None
+    if masked or optimizer._use_weight_decay(variable):
+        return optimizer.weight_decay
+    return None
+
+
+def ema_averages(optimizer) -> list:
+    return list(optimizer._model_variables_moving_average)
+
+
+def optimizer_trainable_variables(optimizer) -> list:
+    """The variables the optimizer was built on (Keras's `_trainable_variables`)."""
+    return list(optimizer._trainable_variables)
 
 
 # ---------------------------------------------------------------------------
@@ -815,36 +825,6 @@ def variable_parts(variable) -> list:
     return list(v.variables) if is_sharded(v) else [v]
 
 
-def apply_update_unsynchronized(optimizer, grads: Sequence, variables: Sequence) -> None:
-    """Applies one worker's gradients to the variables on the ps tasks, without synchronization.
-
-    Keras's `Optimizer.apply` routes each update through
-    `strategy.extended.update`, which rejects a `ShardedVariable` ("You can not
-    update `var` ... It must be a Variable"). On a parameter server there is
-    nothing to synchronize: the worker runs the optimizer's `update_step` on
-    each variable, and TensorFlow places each read and assignment on the ps
-    task that holds the variable (or the shard).
-    """
-    variables = list(variables)
-    pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
-    if not pairs:
-        return
-    learning_rate = optimizer.learning_rate
-    if optimizer.weight_decay is not None:
-        for _, v in pairs:
-            if optimizer._use_weight_decay(v):
-                tv = _tf_variable(v)
-                lr = tf.cast(learning_rate, tv.dtype)
-                wd = tf.cast(optimizer.weight_decay, tv.dtype)
-                tv.assign_sub(tf.convert_to_tensor(tv) * wd * lr)
-    for g, v in pairs:
-        optimizer.update_step(g, _tf_variable(v), learning_rate)
-    for _, v in pairs:
-        if v.constraint is not None:
-            v.assign(v.constraint(v))
-    _tf_variable(optimizer._iterations).assign_add(1)
-
-
 def colocate_slots_with_shards(strategy) -> None:
     """Makes optimizer slots of a partitioned variable partitioned alike, shard by shard.
 
@@ -1141,6 +1121,13 @@ def update_replica_id():
     return distribute_lib.get_update_replica_id()
 
 
+def slots_initialised_from_weights(optimizer) -> tuple[str, ...]:
+    """Slots an optimizer's `build` fills with a copy of the variable (not zeros)."""
+    if type(optimizer).__name__ == "ScheduleFreeAdamW":
+        return ("momentum",)
+    return ()
+
+
 def canonical_optimizer_layout(optimizer, flat_variable, num_variables: int) -> list:
     """How `optimizer`'s state, built on `flat_variable`, maps to a single-device build.
 
@@ -1186,70 +1173,6 @@ def canonical_optimizer_layout(optimizer, flat_variable, num_variables: int) -> 
                 )
             entries.append(("plain", v))
     return entries, slots
-
-
-def _tf_update_step(optimizer, strategy, grads, variable, learning_rate) -> None:
-    # Nadam advances its `u_product` once per step in `_backend_update_step`,
-    # which Keras reaches through a merge_call we are already past.
-    from keras.src.optimizers.nadam import Nadam
-
-    if isinstance(optimizer, Nadam):
-        from keras.src import ops
-
-        dtype = optimizer._u_product.dtype
-        optimizer.assign(
-            optimizer._u_product,
-            optimizer._u_product
-            * optimizer.beta_1
-            * (1.0 - 0.5 * ops.power(0.96, ops.cast(optimizer.iterations + 1, dtype))),
-        )
-    optimizer._distributed_tf_update_step(strategy, [(grads, variable)], learning_rate)
-
-
-def apply_sharded_update(optimizer, grads, flat_variable, decay_mask_fn) -> None:
-    """Updates every replica's slice of `flat_variable` with its gradient slice.
-
-    Cross-replica context. `grads` is a per-replica value (replica `r`'s
-    gradient for its slice); `decay_mask_fn(r)` returns `None` (decay every
-    element) or a float mask of the elements whose variable takes weight
-    decay. Runs, per replica and in Keras's order: decoupled weight decay,
-    the optimizer's `update_step`, the EMA of the slice and its periodic
-    overwrite. The iteration count is advanced by the caller after the
-    all-gather (Keras advances it last).
-    """
-    from keras.src import backend as keras_backend
-
-    strategy = tf.distribute.get_strategy()
-    variable = _tf_variable(flat_variable)
-    with keras_backend.name_scope(optimizer.name, caller=optimizer):
-        learning_rate = optimizer.learning_rate
-        if optimizer.weight_decay is not None:
-
-            def decay(v):
-                lr = tf.cast(learning_rate, v.dtype)
-                wd = tf.cast(optimizer.weight_decay, v.dtype)
-                mask = decay_mask_fn(update_replica_id())
-                step = v * wd * lr
-                return v.assign_sub(step if mask is None else step * mask)
-
-            strategy.extended.update(variable, decay, group=False)
-        _tf_update_step(optimizer, strategy, grads, variable, learning_rate)
-        if optimizer.use_ema:
-            average = _tf_variable(optimizer._model_variables_moving_average[0])
-            not_first = tf.cast(tf.not_equal(optimizer.iterations, 0), tf.float32)
-            momentum = not_first * optimizer.ema_momentum
-
-            def ema(avg, value):
-                return avg.assign(momentum * avg + (1.0 - momentum) * tf.convert_to_tensor(value))
-
-            strategy.extended.update(average, ema, args=(variable,), group=False)
-            if optimizer.ema_overwrite_frequency:
-                overwrite = tf.equal((optimizer.iterations + 1) % optimizer.ema_overwrite_frequency, 0)
-
-                def maybe_overwrite(v, avg):
-                    return v.assign(tf.where(overwrite, tf.convert_to_tensor(avg), tf.convert_to_tensor(v)))
-
-                strategy.extended.update(variable, maybe_overwrite, args=(average,), group=False)
 
 
 def advance_iterations(optimizer) -> None:

@@ -140,6 +140,18 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
             done, logs = run(iterator, tf.constant(steps, tf.int32))
         except tf.errors.OutOfRangeError:
             raise StopIteration from None
+        except tf.errors.InvalidArgumentError as error:
+            if "Shape mismatch in the collective instance" not in str(error) or steps == 1:
+                raise
+            raise ValueError(
+                f"A host call of {steps} steps ran batches of different sizes (the short last "
+                "batch of an epoch beside full ones) through a collective whose shape follows the "
+                "batch: the all-gather of a sparse gradient (an Embedding's rows). TensorFlow "
+                "fixes a collective's shape per host call, so the replicas could not exchange the "
+                "short batch's rows. Make every batch full (`dataset.batch(n, drop_remainder=True)`, "
+                "or a sample count divisible by the global batch size), or set sink_size=1 "
+                "(steps_per_execution=1) for this model."
+            ) from error
         if int(done) == 0:
             raise StopIteration
         return logs

@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import keras_integration as ki
+from tfdist.engine import update
 from tfdist.engine.paths import register_gradient_path
 
 
@@ -98,7 +99,7 @@ def parameter_server(step, data) -> None:
     """Gradient path: the worker's gradient goes straight to the variables on the ps tasks."""
     model = step.model
     grads = step.strategy.run(lambda batch: worker_gradients(model, batch), args=(data,))
-    ki.apply_update_unsynchronized(model.optimizer, grads, model.trainable_variables)
+    update.apply_update(model.optimizer, grads, model.trainable_variables, update.InPlace())
 
 
 register_gradient_path("parameter_server", parameter_server)

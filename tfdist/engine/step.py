@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from tfdist import keras_integration as ki
 from tfdist.engine import transforms as T
+from tfdist.engine import update
 
 
 def _first_batch_dim(x) -> tf.Tensor:
@@ -173,14 +174,16 @@ class TrainStep:
             grads: the finished gradients (per-replica values or tensors).
             update_fn: Optional callable `(grads) -> None` performing the
                 update; default: the optimizer's update of the trainable
-                variables (`keras_integration.apply_update`). A gradient path
+                variables (`tfdist.engine.update.apply_update`). A gradient path
                 that updates differently (e.g. per shard) passes its own and
                 still gets loss-scale gating.
         """
         if update_fn is None:
 
             def update_fn(g):
-                ki.apply_update(self.update_optimizer, g, self.model.trainable_variables)
+                update.apply_update(
+                    self.update_optimizer, g, self.model.trainable_variables, update.EveryCopy(self.strategy)
+                )
 
         if self.loss_scale is None:
             update_fn(grads)

@@ -11,7 +11,7 @@ between processes).
 Training reuses the step engine: `_ModelFnStep` is a `tfdist.engine.TrainStep`
 whose forward pass is the `model_fn`, so gradients take the strategy's own
 gradient path (fused all-reduce, reduce to the parameter device, or a path a
-strategy registers) and the update is `keras_integration.apply_update`.
+strategy registers) and the update is `tfdist.engine.update.apply_update`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import keras_integration as ki
+from tfdist.engine import update
 from tfdist.engine.step import TrainStep, with_variable_shapes
 from tfdist.estimator.estimator_spec import EstimatorSpec, check_spec, predictions_as_dict
 from tfdist.estimator.mode_keys import ModeKeys
@@ -646,7 +647,7 @@ class Estimator:
 
         def worker_fn(iterator):
             grads, loss = strategy.run(replica_fn, args=(next(iterator),))
-            ki.apply_update_unsynchronized(optimizer, grads, variables)
+            update.apply_update(optimizer, grads, variables, update.InPlace())
             graph.global_step.assign_add(1)
             return loss
 

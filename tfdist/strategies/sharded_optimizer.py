@@ -45,6 +45,7 @@ from tfdist import cluster as cluster_lib
 from tfdist import collectives
 from tfdist import keras_integration as ki
 from tfdist import options as options_lib
+from tfdist.engine import update
 from tfdist.engine.paths import register_gradient_path
 from tfdist.sharding import FlatLayout, dense_only, gather_shard, gather_shard_slices, has_sparse
 from tfdist.strategies.mirrored import MirroredStrategy
@@ -67,6 +68,8 @@ _WHOLE_TENSOR_OPTIMIZERS = {
     "Lamb": "its trust ratio needs each variable's whole weight and update norms",
     "Adafactor": "its factored second moments need each variable's whole rows and columns",
     "Muon": "it orthogonalises each variable's whole update matrix",
+    "MultiOptimizer": "it routes each model variable to its own sub-optimizer, and a slice mixes "
+    "elements of several variables",
 }
 
 _TF_KERAS_MESSAGE = (
@@ -329,6 +332,16 @@ class ShardedState:
             )
             ki.build_optimizer(optimizer, [self.flat])
             self.entries, self.slots = ki.canonical_optimizer_layout(optimizer, self.flat, len(variables))
+            # State an optimizer starts from the weights (ScheduleFreeAdamW's
+            # momentum): its `build` copied the flat variable, read in
+            # cross-replica context (one replica's zeros); each replica's copy
+            # must start from that replica's slice of the weights.
+            initial = ki.slots_initialised_from_weights(optimizer)
+            if initial:
+                with tf.init_scope():
+                    weights = self.layout.flatten_numpy([np.asarray(v.numpy()) for v in variables])
+                    for slot in initial:
+                        self._scatter_eager(self.slots[slot], weights)
         if optimizer.weight_decay is not None:
             self.decay = [ki.uses_weight_decay(optimizer, v) for v in variables]
         self._checkpoint_children = None
@@ -589,13 +602,17 @@ class ShardedState:
         flat = ki._tf_variable(self.flat)
         strategy.extended.update(flat, refresh, group=False)
 
-        def decay_mask(local_replica):
-            if self.decay is None:
-                return None
-            return layout.mask(ki.replica_id_in_sync_group(strategy, local_replica), self.decay)
+        def mask():
+            # Evaluated where each replica's update runs: decay only the
+            # elements of variables that take weight decay.
+            replica = ki.replica_id_in_sync_group(strategy, ki.update_replica_id())
+            return layout.mask(replica, self.decay)
 
         (g,) = grads
-        ki.apply_sharded_update(self.optimizer, g, self.flat, decay_mask)
+        update.apply_update(
+            self.optimizer, [g], [self.flat], update.EveryCopy(strategy),
+            decay_mask=mask if self.decay is not None else None, constrain=False, count=False,
+        )
 
     def _gathered_values(self) -> list:
         """Replica context: every variable's updated value, all-gathered from the slices."""
