@@ -17,12 +17,17 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(VENV)/bin/tfdist demo
 
+# Two test processes, each test file whole in one of them (module fixtures such as
+# a cluster job run once): most of a test's time is single-threaded tracing, so
+# the two cores overlap it. PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Everything but the slow and cluster tests.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow and not cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not cluster" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -28,7 +28,7 @@ setup(
     ],
     extras_require={
         "legacy": ["tf-keras>=2.16"],
-        "test": ["pytest>=7", "tf-keras>=2.16", "tensorboard", "ruff"],
+        "test": ["pytest>=7", "pytest-xdist>=3", "tf-keras>=2.16", "tensorboard", "ruff"],
         "bench": ["psutil"],
     },
     entry_points={"console_scripts": ["tfdist=tfdist.cli:main"]},

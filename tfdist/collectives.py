@@ -56,11 +56,16 @@ class BucketPlan:
         buckets: the dense buckets, in send order.
         sparse: indices of gradients reduced unfused (`tf.IndexedSlices`).
         count: how many gradients the plan covers.
+        shared_rows: `{index: (indices, dense_shape)}` of sparse gradients
+            whose rows are the same on every replica (`rows_shared_by_replicas`):
+            their values are summed like a dense gradient, and they stay
+            `tf.IndexedSlices` with those rows.
     """
 
     buckets: tuple[Bucket, ...]
     sparse: tuple[int, ...]
     count: int
+    shared_rows: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
     def build(cls, grads: Sequence, bucket_bytes: int) -> BucketPlan:
@@ -73,6 +78,7 @@ class BucketPlan:
         open_buckets: dict[tf.DType, list] = {}
         buckets: list[Bucket] = []
         sparse: list[int] = []
+        shared_rows: dict = {}
 
         def close(dtype):
             idx, sizes, shapes = open_buckets.pop(dtype)
@@ -84,8 +90,11 @@ class BucketPlan:
             if g is None:
                 continue
             if isinstance(g, tf.IndexedSlices):
-                sparse.append(i)
-                continue
+                if not rows_shared_by_replicas(g):
+                    sparse.append(i)
+                    continue
+                shared_rows[i] = (g.indices, g.dense_shape)
+                g = g.values
             shape = tuple(g.shape.as_list())
             if any(d is None for d in shape):
                 # Only fused buffers need a static shape (to split them again).
@@ -110,7 +119,7 @@ class BucketPlan:
                 close(g.dtype)
         for dtype in list(open_buckets):
             close(dtype)
-        return cls(tuple(buckets), tuple(sparse), len(grads))
+        return cls(tuple(buckets), tuple(sparse), len(grads), shared_rows)
 
     @property
     def num_collectives(self) -> int:
@@ -119,6 +128,7 @@ class BucketPlan:
     def pack(self, grads: Sequence) -> list:
         """Returns the fused buffers (flat tensors) then the sparse gradients."""
         out = []
+        grads = [g.values if i in self.shared_rows else g for i, g in enumerate(grads)]
         for b in self.buckets:
             if not b.fused:
                 out.append(grads[b.indices[0]])
@@ -140,7 +150,48 @@ class BucketPlan:
                 grads[i] = tf.reshape(piece, shape)
         for i, g in zip(self.sparse, packed[len(self.buckets):]):
             grads[i] = g
+        for i, (indices, dense_shape) in self.shared_rows.items():
+            grads[i] = tf.IndexedSlices(grads[i], indices, dense_shape)
         return grads
+
+
+# Ops whose output does not depend on the step's data: a sparse gradient whose
+# row indices are computed from these alone has the same rows on every replica.
+_DATA_INDEPENDENT_OPS = frozenset({
+    "Const", "Range", "Reshape", "Identity", "Cast", "SelectV2", "Select", "Less", "LessEqual",
+    "Greater", "GreaterEqual", "AddV2", "Add", "Sub", "Mul", "FloorMod", "Maximum", "Minimum",
+    "ExpandDims", "Squeeze", "StridedSlice", "Pack", "ConcatV2", "Tile", "Fill", "ZerosLike",
+})
+
+
+def rows_shared_by_replicas(g: tf.IndexedSlices, max_ops: int = 64) -> bool:
+    """Whether a sparse gradient's rows are fixed, the same on every replica and step.
+
+    An embedding looked up per example (token ids) has rows that follow the
+    data: each replica's rows are its own examples', and one device's rows are
+    all of them, so replicas' rows are concatenated. An embedding looked up
+    once per batch with indices computed from constants (a position embedding,
+    `Embedding(maxlen, d)(ops.arange(maxlen))`) has the same rows on every
+    replica, and on one device each row once, summed over the batch: Keras
+    applies an optimizer's element-wise maths per row *before* summing
+    duplicates (Adam's second moment of a row is the sum of its pieces'
+    squares), so such rows must be summed across replicas, not concatenated,
+    to update as one device does. Decided from the graph at trace time: the
+    indices derive from constants through a few index ops (up to `max_ops`),
+    and the values have a static shape.
+    """
+    if not g.values.shape.is_fully_defined() or not tf.is_symbolic_tensor(g.indices):
+        return False
+    seen, todo = set(), [g.indices.op]
+    while todo:
+        op = todo.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.type not in _DATA_INDEPENDENT_OPS or len(seen) > max_ops:
+            return False
+        todo.extend(t.op for t in op.inputs)
+    return True
 
 
 def all_reduce_sum(values: Sequence, bucket_bytes: int) -> list:
