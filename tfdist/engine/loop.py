@@ -150,7 +150,8 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
                 "fixes a collective's shape per host call, so the replicas could not exchange the "
                 "short batch's rows. Make every batch full (`dataset.batch(n, drop_remainder=True)`, "
                 "or a sample count divisible by the global batch size), or set sink_size=1 "
-                "(steps_per_execution=1) for this model."
+                "(steps_per_execution=1) for this model. TensorFlow aborted the collectives of "
+                "this process: restart it before training again."
             ) from error
         if int(done) == 0:
             raise StopIteration
