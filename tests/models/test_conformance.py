@@ -132,7 +132,7 @@ if FULL:
 else:
     PLAN, FORWARD, SAVES, DROPOUT_PLAN = COVERING_PLAN, COVERING_FORWARD, COVERING_SAVES, COVERING_DROPOUT
 
-# Cells over ~20 s on the idle CI machine (measured 25 s; the median cell takes
+# Cells near or over ~20 s on the CI machine (measured 16–25 s; the median cell takes
 # 4 s): XLA compiling the transformer's step.
 SLOW_CELLS = {("transformer", "jit_compile")}
 
