@@ -206,12 +206,6 @@ def test_parameter_server_tutorial_model_fit_trains(parameter_server_tutorial):
 
 @pytest.mark.cluster
 @pytest.mark.usefixtures("no_leftover_processes")
-@pytest.mark.xfail(
-    strict=True,
-    reason="Keras 3's GradientTape and optimizer reject the ShardedVariable a variable partitioner makes: "
-    "`tape.gradient(loss, model.trainable_variables)` raises \"AttributeError: 'ShardedVariable' object has "
-    "no attribute 'handle'\"; tfdist closes this in model.fit only (tfdist/engine/parameter_server.py)",
-)
 def test_parameter_server_tutorial_custom_training_loop_trains(parameter_server_tutorial):
     completed, result = parameter_server_tutorial
     assert_succeeded(completed, result)

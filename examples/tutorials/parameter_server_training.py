@@ -43,11 +43,15 @@
 #   end for a test to read.
 # - Code style only: 4-space indents (the notebook uses 2) and f-strings for `%` formatting (ruff).
 #
-# Status (TensorFlow 2.21, Keras 3.15): `model.fit` trains. The custom training loop fails at
-# `tape.gradient(loss, model.trainable_variables)` with "AttributeError: 'ShardedVariable' object
-# has no attribute 'handle'", as it does under `tf.distribute.ParameterServerStrategy` itself: Keras
-# 3's GradientTape sources and optimizer reject the ShardedVariable a variable partitioner makes.
-# tfdist works around that inside `model.fit` only. The loop is kept as the tutorial writes it.
+# Status (TensorFlow 2.21, Keras 3.15): `model.fit` and the custom training loop both train; the
+# loop is kept as the tutorial writes it. Under `tf.distribute.ParameterServerStrategy` with Keras 3
+# the loop fails at `tape.gradient(loss, model.trainable_variables)` with "AttributeError:
+# 'ShardedVariable' object has no attribute 'handle'" (Keras 3's GradientTape sources and optimizer
+# reject the ShardedVariable the variable partitioner makes of the embedding). Under tfdist's
+# strategy the tape returns one gradient per Keras variable (the embedding's an `IndexedSlices` of
+# the whole table, regrouped from its two shards), and `optimizer.apply_gradients` updates the
+# shards in place on the ps tasks as `model.fit` does (tfdist/keras_integration.py,
+# `patch_training_of_sharded_variables`).
 #
 # Run: python examples/tutorials/parameter_server_training.py [--workers 2] [--work-dir DIR]
 

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tfdist
 from tests.conftest import build_model
+from tests.engine.common import make_strategy, max_relative_difference
 from tests.strategies.parity import relative_difference, strategy_for
 
 
@@ -142,11 +143,42 @@ def test_unknown_length_input_counts_exactly_the_steps_run():
     assert int(model.optimizer.iterations.numpy()) == 40
 
 
-_SHORT_BATCH_SCRIPT = """
+def _embedding_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((6,), dtype="int32"), keras.layers.Embedding(50, 4),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2),
+    ])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize(
+    "name,sink_size",
+    [("mirrored", 4), ("central_storage", "epoch"), ("sharded_optimizer", 4)],
+)
+def test_short_last_batch_beside_full_ones_with_sparse_gradients_matches_one_device(name, sink_size):
+    # An Embedding's rows are all-gathered with a count that follows the batch,
+    # and TensorFlow fixes a collective's shape per host call: a call holding
+    # full batches and the short last one (100 samples = 3 x 32 + 4) aborted
+    # with "Shape mismatch in the collective instance" until the short batch
+    # got a step copy of its own. Adam over the sparse rows, 2 epochs.
+    rng = np.random.RandomState(0)
+    x, y = rng.randint(0, 50, (100, 6)), rng.randint(0, 2, 100)
+    reference = _embedding_model()
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    with make_strategy(name, replicas=2, sink_size=sink_size).scope():
+        model = _embedding_model()
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert max_relative_difference(reference, model) < 1e-5
+
+
+_THREE_SIZES_SCRIPT = """
 import numpy as np, tfdist
 tfdist.configure_local_devices(2)
-import keras
-strategy = tfdist.get_strategy("mirrored", devices=["/cpu:0", "/cpu:1"], sink_size=2)
+import keras, tensorflow as tf
+strategy = tfdist.get_strategy("mirrored", devices=["/cpu:0", "/cpu:1"], sink_size=4)
 with strategy.scope():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
@@ -155,31 +187,28 @@ with strategy.scope():
     ])
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 rng = np.random.RandomState(0)
-x, y = rng.randint(0, 50, (64, 6)), rng.randint(0, 2, 64)
-model.fit(x, y, batch_size=32, verbose=0)
-print("64 samples trained")
+x, y = rng.randint(0, 50, (56, 6)), rng.randint(0, 2, 56)
+def part(a, b, n):
+    return tf.data.Dataset.from_tensor_slices((x[a:b], y[a:b])).batch(n)
 try:
-    model.fit(x[:40], y[:40], batch_size=32, verbose=0)
+    model.fit(part(0, 32, 32).concatenate(part(32, 48, 16)).concatenate(part(48, 56, 8)), verbose=0)
 except ValueError as error:
     print("ValueError:", error)
 """
 
 
-def test_short_last_batch_beside_full_ones_with_sparse_gradients_gets_a_clear_error():
-    # An Embedding's rows are all-gathered with a shape that follows the batch;
-    # TensorFlow fixes a collective's shape per host call, so a call holding a
-    # full batch and the short last one cannot exchange them. 64 samples (two
-    # full batches) train; 40 (32 + 8 in one call of 2 steps) raise, naming the
-    # fixes. In a child process: the aborted collective poisons every later
-    # collective of its process.
+def test_three_batch_sizes_in_one_call_with_sparse_gradients_get_a_clear_error():
+    # Batches of 32, 16 and 8 in one host call: the first size and one other
+    # have step copies; the third meets a collective fixed to another shape.
+    # The error names the fixes. In a child process: the aborted collective
+    # poisons every later collective of its process.
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    completed = subprocess.run([sys.executable, "-c", _SHORT_BATCH_SCRIPT], capture_output=True, text=True,
+    completed = subprocess.run([sys.executable, "-c", _THREE_SIZES_SCRIPT], capture_output=True, text=True,
                                timeout=240, env=env)
     assert completed.returncode == 0, completed.stderr[-2000:]
-    assert "64 samples trained" in completed.stdout
-    assert "ValueError: A host call of 2 steps ran batches of different sizes" in completed.stdout
+    assert "ValueError: A host call of 4 steps ran batches of more sizes than it has step copies" in completed.stdout
     assert "drop_remainder=True" in completed.stdout and "set sink_size=1" in completed.stdout

@@ -6,6 +6,7 @@ Each optimizer trains a small model for 2 steps under each synchronous strategy
 single-device Keras ends. Optimizers whose update needs whole tensors (Lamb,
 Adafactor, Muon) and wrappers the sharded optimizer cannot slice
 (MultiOptimizer, LossScaleOptimizer) are refused there with the named error.
+A float8 `Dense` (`overwrite_with_gradient`) takes the replicas' largest amax.
 """
 
 from __future__ import annotations
@@ -124,3 +125,77 @@ def test_every_builtin_optimizer_matches_one_device_under_every_synchronous_stra
         differences[strategy_name] = max_relative_difference(reference.get_weights(), model.get_weights())
         assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
     assert max(differences.values()) < 1e-5, differences
+
+
+# float8 Dense: overwrite_with_gradient -------------------------------------------------------------
+
+
+class Float8Step(keras.Model):
+    """A custom train_step: its optimizer.apply gets the float8 layers' new scales too."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
+def _float8_model(custom_step=False):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12,))
+    hidden, head = keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)
+    outputs = head(hidden(inputs))
+    model = (Float8Step if custom_step else keras.Model)(inputs, outputs)
+    hidden.quantize("float8")
+    head.quantize("float8")
+    model.compile(keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+@pytest.fixture(scope="module")
+def float8_data():
+    rng = np.random.RandomState(3)
+    x = rng.normal(size=(64, 12)).astype("float32")
+    x[:8] *= 10  # replica 0's share of the first batch holds the largest inputs
+    return x, (x[:, :3] * 2.0 + 0.5).astype("float32")
+
+
+@pytest.fixture(scope="module")
+def float8_reference(float8_data):
+    model = _float8_model()
+    model.fit(*float8_data, batch_size=16, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("name,custom_step", [("mirrored", False), ("central_storage", False), ("mirrored", True)])
+def test_float8_scales_and_amax_histories_take_the_largest_replica_value(
+    name, custom_step, float8_data, float8_reference
+):
+    # One device's amax history records the largest magnitude over the whole
+    # batch; each replica sees its share, so the replicas' new values are
+    # combined with MAX (summing or averaging them, as for gradients, left the
+    # scales 34-60x off). Keras's float8 Dense adds its bias in bfloat16, so the
+    # bias gradient, summed over shares, rounds as bfloat16 does (~3e-3).
+    with make_strategy(name, replicas=2).scope():
+        model = _float8_model(custom_step)
+    model.fit(*float8_data, batch_size=16, shuffle=False, verbose=0)
+    overwritten = {"scale", "amax_history"}
+    worst = {"overwritten": 0.0, "trained": 0.0}
+    for v, a, b in zip(float8_reference.weights, float8_reference.get_weights(), model.get_weights()):
+        kind = "overwritten" if any(v.name.endswith(k) for k in overwritten) else "trained"
+        worst[kind] = max(worst[kind], max_relative_difference([a], [b]))
+    assert worst["overwritten"] < 1e-4 and worst["trained"] < 1e-2, worst
+
+
+def test_float8_under_the_sharded_optimizer_is_refused_by_name():
+    with pytest.raises(NotImplementedError) as info:
+        with make_strategy("sharded_optimizer", replicas=2).scope():
+            model = _float8_model()
+        model.fit(np.zeros((4, 12), "float32"), np.zeros((4, 3), "float32"), verbose=0)
+    assert str(info.value).startswith("The 'sharded_optimizer' strategy does not train '")
+    assert str(info.value).endswith(
+        "a float8 layer's scales and amax histories take their gradient as their value "
+        "(overwrite_with_gradient), and the flat slices hold optimizer-updated weights only. "
+        "Train float8 models under mirrored, central_storage or multi_worker."
+    )

@@ -18,6 +18,7 @@ from tests.strategies.ps_cluster import REPO, Cluster, free_ports
 
 JOB = os.path.join(REPO, "tests", "strategies", "ps_job.py")
 IN_PROCESS_JOB = os.path.join(REPO, "tests", "strategies", "ps_in_process_job.py")
+CUSTOM_LOOP_JOB = os.path.join(REPO, "tests", "strategies", "ps_custom_loop_job.py")
 
 
 def _tf_config(cluster: dict, task: str = "chief", index: int = 0) -> str:
@@ -310,6 +311,32 @@ def test_in_process_cluster_without_chief_trains():
     assert loss[0] > loss[1] > loss[2], r
     assert loss[2] < 0.5 * loss[0], r
     assert r["eval"]["accuracy"] > 0.6, r
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_custom_training_loop_over_a_partitioned_embedding_updates_as_fit_does():
+    # tests/strategies/ps_custom_loop_job.py: the tutorial's custom loop (GradientTape over
+    # model.trainable_variables, optimizer.apply_gradients) with an Embedding split in 2 shards,
+    # 1 worker and 2 ps in-process; then model.fit for as many steps on the same batches.
+    out = subprocess.run(
+        [sys.executable, CUSTOM_LOOP_JOB], env=_child_env(), capture_output=True, text=True,
+        timeout=120, cwd=REPO,
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    r = _result(out.stdout)
+    assert r["shards"] == [[10, 8], [10, 8]] and r["kernel_sharded"] is False, r
+    # One gradient per Keras variable, the embedding's regrouped from its shards.
+    assert r["gradient_types"][0] == "IndexedSlices" and r["embedding_dense_shape"] == [20, 8], r
+    assert len(r["gradient_types"]) == 3, r
+    assert r["same_initial"] and r["moved"] > 0.1, r
+    assert r["loop_iterations"] == r["fit_iterations"] == 4, r
+    assert r["max_diff_loop_vs_fit"] <= 1e-5, r
+    # A tape over ordinary variables in the same process, before and after the patch: unchanged.
+    assert r["patched"] == [False, True], r
+    before, after = r["ordinary_types"]
+    assert before == after == ["EagerTensor", "EagerTensor", "IndexedSlices", "EagerTensor"], r
+    assert r["ordinary_identical"], r
 
 
 @pytest.mark.cluster

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tfdist import keras_integration as ki
+from tfdist.engine.custom import CustomTrainStep
 from tfdist.engine.loop import make_host_function
 from tfdist.engine.step import TrainStep
 
@@ -28,21 +29,6 @@ def validate_compiled_model(model) -> None:
             f"{keras_steps}) and the strategy option accumulation_steps="
             f"{options.accumulation_steps}. Set one of them."
         )
-    if ki.has_custom_train_step(model):
-        engine_features = {
-            "accumulation_steps": options.accumulation_steps > 1,
-            "jit_compile": options.jit_compile,
-            "Optimizer(gradient_accumulation_steps=...)": bool(keras_steps),
-            "LossScaleOptimizer": ki.is_loss_scale_optimizer(optimizer),
-        }
-        used = [name for name, on in engine_features.items() if on]
-        if used:
-            raise NotImplementedError(
-                f"A custom train_step combined with {used[0]} is not supported under "
-                f"tfdist strategies: {type(model).__name__}.train_step runs as written, "
-                "per replica, and the engine's step features do not reach into it. "
-                "Drop the custom train_step or the feature."
-            )
 
 
 def _validate_parameter_server(model, options) -> None:
@@ -69,12 +55,9 @@ def make_train_function(model):
     """The function Keras's `fit` calls per host call, for a tfdist model."""
     validate_compiled_model(model)
     if ki.has_custom_train_step(model):
-        # The user's own train_step runs per replica, as in Keras; its optimizer
-        # reduces gradients itself. Engine options do not apply to it.
-        strategy = model.distribute_strategy
-
-        def step_fn(data):
-            strategy.run(model.train_step, args=(data,))
+        # The user's own train_step runs per replica, as in Keras; its
+        # optimizer.apply runs the engine's reduction and update.
+        step_fn = CustomTrainStep(model)
     else:
         step_fn = TrainStep(model)
     return make_host_function(model, step_fn, model.steps_per_execution)
@@ -90,4 +73,4 @@ def make_test_function(model):
     return make_host_function(model, step_fn, model.steps_per_execution)
 
 
-__all__ = ["TrainStep", "make_host_function", "make_test_function", "make_train_function"]
+__all__ = ["CustomTrainStep", "TrainStep", "make_host_function", "make_test_function", "make_train_function"]

@@ -20,8 +20,9 @@ closure of k steps per `ClusterCoordinator.schedule`).
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
+import keras
 import tensorflow as tf
 
 # Attribute set on a distributed iterator to give the number of steps a host
@@ -37,7 +38,12 @@ def _is_tf_iterator(iterator) -> bool:
     return isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
 
 
-def run_steps(iterator, step_fn: Callable, max_steps: Union[int, tf.Tensor]) -> tf.Tensor:
+def run_steps(
+    iterator,
+    step_fn: Callable,
+    max_steps: Union[int, tf.Tensor],
+    odd_batch_fn: Optional[Callable] = None,
+) -> tf.Tensor:
     """Runs `step_fn` on up to `max_steps` batches of `iterator` in one `tf.while_loop`.
 
     The building block of data sinking: call it inside a `tf.function` (one
@@ -53,6 +59,11 @@ def run_steps(iterator, step_fn: Callable, max_steps: Union[int, tf.Tensor]) -> 
             distributed iterator), called in the caller's context.
         max_steps: int or scalar int32 tensor, >= 1. Steps to run at most; a
             tensor lets one trace serve every bound.
+        odd_batch_fn: Optional callable like `step_fn`, run instead of it on
+            a batch whose size differs from the call's first batch (the
+            short last batch of an epoch). Its collectives are traced apart
+            from `step_fn`'s, so each collective instance sees one shape per
+            call (see `make_host_function`).
 
     Returns:
         Scalar int32 tensor: the steps run (fewer than `max_steps` when the
@@ -71,8 +82,28 @@ def run_steps(iterator, step_fn: Callable, max_steps: Union[int, tf.Tensor]) -> 
     def cond(i, optional):
         return tf.logical_and(i < max_steps, optional.has_value())
 
+    first = iterator.get_next_as_optional()
+    if odd_batch_fn is not None:
+        first_size = tf.cond(
+            first.has_value(), lambda: global_batch_size(first.get_value()), lambda: tf.constant(0)
+        )
+
+    def run_step(data):
+        if odd_batch_fn is None:
+            step_fn(data)
+            return
+
+        def run(fn):
+            def branch():
+                fn(data)
+                return tf.constant(True)
+
+            return branch
+
+        tf.cond(tf.equal(global_batch_size(data), first_size), run(step_fn), run(odd_batch_fn))
+
     def body(i, optional):
-        step_fn(optional.get_value())
+        run_step(optional.get_value())
         following = tf.cond(
             i + 1 < max_steps,
             iterator.get_next_as_optional,
@@ -80,8 +111,26 @@ def run_steps(iterator, step_fn: Callable, max_steps: Union[int, tf.Tensor]) -> 
         )
         return i + 1, following
 
-    done, _ = tf.while_loop(cond, body, [tf.constant(0), iterator.get_next_as_optional()])
+    done, _ = tf.while_loop(cond, body, [tf.constant(0), first])
     return done
+
+
+def global_batch_size(data) -> tf.Tensor:
+    """Scalar int32: examples in `data`, a batch or a distributed batch (summed over replicas)."""
+    flat = [t for t in tf.nest.flatten(data, expand_composites=False) if t is not None]
+    tensor = flat[0]
+    if isinstance(tensor, tf.distribute.DistributedValues):
+        return tf.add_n([tf.shape(t)[0] for t in tensor.values])
+    return tf.shape(tensor)[0]
+
+
+def gathers_rows(model) -> bool:
+    """Whether a step may all-gather sparse rows whose count follows the batch (an Embedding)."""
+    from tfdist import keras_integration as ki
+
+    return any(
+        isinstance(layer, keras.layers.Embedding) and layer.trainable for layer in ki.all_layers(model)
+    )
 
 
 def _sinks_whole_epochs(model) -> bool:
@@ -105,9 +154,17 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
     """
     whole_epochs = _sinks_whole_epochs(model)
 
+    # An Embedding's gradient rows are all-gathered with a count that follows
+    # the batch, and TensorFlow fixes each collective instance's shape for the
+    # length of a host call ("Shape mismatch in the collective instance"). A
+    # call that holds full batches and the epoch's short last batch runs the
+    # short one through a second copy of the step, with collectives of its
+    # own. Costs a second trace, for models with an Embedding only.
+    odd_batch_fn = step_fn if (steps_per_call > 1 or whole_epochs) and gathers_rows(model) else None
+
     @tf.autograph.experimental.do_not_convert
     def many_steps(iterator, max_steps):
-        done = run_steps(iterator, step_fn, max_steps)
+        done = run_steps(iterator, step_fn, max_steps, odd_batch_fn)
         return done, model.get_metrics_result()
 
     @tf.autograph.experimental.do_not_convert
@@ -144,14 +201,15 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
             if "Shape mismatch in the collective instance" not in str(error) or steps == 1:
                 raise
             raise ValueError(
-                f"A host call of {steps} steps ran batches of different sizes (the short last "
-                "batch of an epoch beside full ones) through a collective whose shape follows the "
-                "batch: the all-gather of a sparse gradient (an Embedding's rows). TensorFlow "
-                "fixes a collective's shape per host call, so the replicas could not exchange the "
-                "short batch's rows. Make every batch full (`dataset.batch(n, drop_remainder=True)`, "
-                "or a sample count divisible by the global batch size), or set sink_size=1 "
-                "(steps_per_execution=1) for this model. TensorFlow aborted the collectives of "
-                "this process: restart it before training again."
+                f"A host call of {steps} steps ran batches of more sizes than it has step copies "
+                "through a collective whose shape follows the batch: the all-gather of a sparse "
+                "gradient (an Embedding's rows, or any gradient TensorFlow returns as "
+                "IndexedSlices). TensorFlow fixes a collective's shape per host call; tfdist runs a "
+                "call's first batch size and, for models with an Embedding, one other size (the "
+                "epoch's short last batch) through separate copies of the step, no more. Give "
+                "batches fixed sizes (`padded_batch` to a fixed length, `drop_remainder=True`), or "
+                "set sink_size=1 (steps_per_execution=1) for this model. TensorFlow aborted the "
+                "collectives of this process: restart it before training again."
             ) from error
         if int(done) == 0:
             raise StopIteration

@@ -106,6 +106,13 @@ class TrainStep:
             self.loss_scale,
             T.clip_by_optimizer(self.update_optimizer),
         )
+        # Keras's float8 scales and amax histories: their "gradient" is their
+        # next value (`overwrite_with_gradient`); see `overwrite_from_replicas`.
+        self.overwritten = [
+            i
+            for i, v in enumerate(model.trainable_variables)
+            if ki.overwrites_with_gradient(self.update_optimizer, v)
+        ]
         k = accumulation_steps(model)
         self.accumulation: T.Accumulate | None = None
         with self.strategy.scope():
@@ -143,11 +150,47 @@ class TrainStep:
             y_pred, loss, grads = self._forward_backward(x, y, sample_weight)
         ki.track_loss(self.model, loss, batch)
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        grads = self.overwrite_from_replicas(grads)
         # Keras divided the loss by the replica count; undo that and weight by
         # this replica's batch size instead (exact for uneven splits).
         weight = tf.cast(batch, tf.float32)
         factor = weight * float(self.strategy.num_replicas_in_sync)
         return [_scale(g, factor) for g in grads] + [weight]
+
+    def overwrite_from_replicas(self, grads: list) -> list:
+        """Replica context: writes the `overwrite_with_gradient` variables; `grads` without them.
+
+        A float8 `Dense`'s amax history takes the largest magnitude its
+        input (or output gradient) had this step: on one device over the
+        whole batch, here over each replica's share, so the replicas' values
+        are combined with MAX (the scale is computed from the previous
+        history, the same on every replica) and written to every copy of the
+        variable, as Keras's `apply` overwrites it on one device. They leave
+        the summed gradients (None in their place), so bucketing, weighting,
+        clipping and the optimizer never see them. Runs on every micro-step
+        under accumulation, as in Keras.
+        """
+        if not self.overwritten:
+            return grads
+        ctx = tf.distribute.get_replica_context()
+        values = [tf.convert_to_tensor(grads[i]) for i in self.overwritten]
+        # tf.distribute reduces by SUM or MEAN only: gather all replicas' values
+        # in one buffer and take the largest.
+        flat = tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in values], axis=0)
+        gathered = ctx.all_gather(flat[tf.newaxis], axis=0)
+        pieces = tf.split(tf.reduce_max(gathered, axis=0), [v.shape.num_elements() for v in values])
+        largest = [tf.reshape(p, v.shape) for p, v in zip(pieces, values)]
+        variables = [self.model.trainable_variables[i] for i in self.overwritten]
+
+        def write(strategy, *new):
+            for v, value in zip(variables, new):
+                first = strategy.experimental_local_results(value)[0]
+                strategy.extended.update(
+                    ki._tf_variable(v), lambda var, t: var.assign(tf.cast(t, var.dtype)), args=(first,), group=False
+                )
+
+        ctx.merge_call(write, args=tuple(largest))
+        return [None if i in self.overwritten else g for i, g in enumerate(grads)]
 
     def local_gradients(self, data) -> list:
         """Replica context: `[weighted grads..., weight]` ready to reduce.

@@ -320,6 +320,14 @@ class ShardedState:
                 f"{bad[0].dtype}. Keep variables in float32 (mixed precision policies such as "
                 "'mixed_bfloat16' already do)."
             )
+        overwritten = [v for v in variables if ki.overwrites_with_gradient(optimizer, v)]
+        if overwritten:
+            raise NotImplementedError(
+                f"The 'sharded_optimizer' strategy does not train {overwritten[0].path!r}: a float8 "
+                "layer's scales and amax histories take their gradient as their value "
+                "(overwrite_with_gradient), and the flat slices hold optimizer-updated weights only. "
+                "Train float8 models under mirrored, central_storage or multi_worker."
+            )
         self.variables = variables
         self.layout = FlatLayout.for_variables(variables, self.strategy.num_replicas_in_sync)
         with self.strategy.scope():
@@ -622,6 +630,10 @@ class ShardedState:
         values = self.layout.unflatten(full, dtypes)
         return [c(t) if c is not None else t for c, t in zip(constraints, values)]
 
+    # Not converted by autograph: it has no control flow, and its conversion
+    # inside merge_call once failed under load with "tf___assign_model() takes
+    # from 1 to 2 positional arguments but 3 were given".
+    @tf.autograph.experimental.do_not_convert
     def _assign_model(self, values) -> None:
         """Cross-replica context: writes gathered values into the model; the step is done."""
         for v, value in zip(self.variables, values):
