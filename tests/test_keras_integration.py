@@ -162,7 +162,7 @@ def test_models_outside_tfdist_keep_keras_own_functions(data):
 
 
 def test_central_storage_metrics_are_exact(data):
-    # Without keras_integration.configure_variable_creation(on_read_devices=...) the accuracy
+    # Without tfdist._compat.tf.configure_variable_creation(on_read_devices=...) the accuracy
     # and loss metrics grow without bound (keras-team/keras#21054); see the
     # next test, which shows the upstream behaviour.
     x, y = data
@@ -177,7 +177,7 @@ def test_central_storage_metrics_are_exact(data):
 
 def test_upstream_central_storage_metrics_are_wrong_without_the_workaround(data):
     # If this starts failing, upstream fixed keras-team/keras#21054 and the
-    # workaround in keras_integration can be version-gated off.
+    # workaround in tfdist._compat can be version-gated off.
     x, y = data
     expected = build_model().evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
     plain = tf.distribute.experimental.CentralStorageStrategy(
@@ -190,7 +190,7 @@ def test_upstream_central_storage_metrics_are_wrong_without_the_workaround(data)
 
 
 def test_strategies_of_different_sizes_in_one_process():
-    # Without keras_integration.isolate_collective_keys the second strategy joins
+    # Without tfdist._compat.tf.isolate_collective_keys the second strategy joins
     # the first one's collective group (tensorflow/tensorflow#61314).
     results = []
     for n in (2, 4, 3):
@@ -333,7 +333,7 @@ def test_central_storage_dropout_matches_single_device(kind, dropout, data):
 def test_upstream_central_storage_fails_with_dropout_without_the_workaround(data):
     # If this starts failing, upstream made Keras's SeedGenerator state work
     # under CentralStorageStrategy and the ONLY_FIRST_REPLICA aggregation in
-    # keras_integration.configure_variable_creation can be version-gated off.
+    # tfdist._compat.tf.configure_variable_creation can be version-gated off.
     x, y = data
     plain = tf.distribute.experimental.CentralStorageStrategy(
         compute_devices=["/cpu:0", "/cpu:1"], parameter_device="/cpu:0"

@@ -30,7 +30,7 @@ def demo_strategies() -> list[tuple[str, dict]]:
 
     entries = []
     for name in registry.strategy_names():
-        cls = registry._REGISTRY[name]
+        cls = registry.strategy_class(name)
         kwargs = getattr(cls, "demo_kwargs", lambda: {})()
         if kwargs is not None:
             entries.append((name, kwargs))

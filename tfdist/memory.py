@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist import keras_integration as ki
+from tfdist._compat import keras as kc
 
 KINDS = ("weights", "optimizer_state", "parameter_shard", "gradient_buffers")
 
 
 def _parts(variable) -> list:
     """The device-resident variables behind a Keras or TF variable."""
-    v = ki._tf_variable(variable)
+    v = kc.tf_variable(variable)
     if isinstance(v, tf.distribute.DistributedValues):
         return list(v.values)
     parts = getattr(v, "variables", None)  # ShardedVariable (variable partitioner)
@@ -79,7 +79,7 @@ def memory_report(model) -> dict[str, dict[str, int]]:
                 add(_device(part), kind, _nbytes(part))
 
     optimizer = getattr(model, "optimizer", None)
-    sharded = ki.sharded_state(optimizer) if optimizer is not None else None
+    sharded = kc.sharded_state(optimizer) if optimizer is not None else None
     count(model.weights, "weights")
     if sharded is not None and sharded.flat is not None:
         count([sharded.flat], "parameter_shard")

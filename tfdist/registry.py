@@ -45,6 +45,11 @@ def strategy_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def strategy_class(name: str) -> type:
+    """The class registered under `name` (`KeyError` if none)."""
+    return _REGISTRY[name]
+
+
 def get_strategy(name: str, **options: Any) -> tf.distribute.Strategy:
     """Returns the tfdist strategy registered under `name`.
 

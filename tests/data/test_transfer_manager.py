@@ -57,7 +57,7 @@ def test_strategy_options_choose_the_input_options():
 
 def test_explicit_input_options_win_under_central_storage():
     # Upstream CentralStorageStrategy fails on any InputOptions (a typo in
-    # TensorFlow 2.21); tfdist.keras_integration.distribute_dataset works around it.
+    # TensorFlow 2.21); tfdist._compat.tf.distribute_dataset works around it.
     strategy = strategy_for("central_storage", 2)
     options = tf.distribute.InputOptions(experimental_fetch_to_device=False)
     dist = strategy.experimental_distribute_dataset(tf.data.Dataset.range(4).batch(4), options)

@@ -103,11 +103,11 @@ def main():
     result["emb_iterations"] = int(emb.optimizer.iterations.numpy())
     placement = {}
     for v in emb.variables + emb.optimizer.variables:
-        parts = tfdist.keras_integration.variable_parts(v)
+        parts = tfdist._compat.keras.variable_parts(v)
         placement[v.path] = [[tf.DeviceSpec.from_string(p.device).task, list(p.shape)] for p in parts]
     result["placement"] = placement
     table = emb.get_layer("table").embeddings
-    shards = [p.numpy() for p in tfdist.keras_integration.variable_parts(table)]
+    shards = [p.numpy() for p in tfdist._compat.keras.variable_parts(table)]
     saved = os.path.join(out_dir, "embedding.keras")
     emb.save(saved)
     loaded = keras.models.load_model(saved)

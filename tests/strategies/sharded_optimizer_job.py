@@ -55,7 +55,7 @@ def main() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
     import tfdist
-    from tfdist import keras_integration as ki
+    from tfdist._compat import keras as kc
 
     x, y = data()
     result = {}
@@ -70,7 +70,7 @@ def main() -> None:
         with strategy.scope():
             model = build()
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-        state = ki.sharded_state(model.optimizer)
+        state = kc.sharded_state(model.optimizer)
         # Collectives: every worker gathers, saves and checkpoints, in the same order.
         canonical = state.canonical_values()
         path = strategy.write_dir(os.path.join(args.out, f"stage{stage}.keras"))

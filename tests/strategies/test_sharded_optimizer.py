@@ -16,7 +16,7 @@ import tensorflow as tf
 import tfdist
 from tests.child_processes import no_leftover_processes  # noqa: F401 (fixture)
 from tests.conftest import DEVICES, build_model, max_relative_difference
-from tfdist import keras_integration as ki
+from tfdist._compat import keras as kc
 from tfdist.sharding import FlatLayout
 
 # Weights after 50 steps agree to float32 round-off (measured: 0.0 for stage 1,
@@ -50,7 +50,7 @@ def built(strategy, optimizer_fn):
 
 def canonical(model) -> list:
     """The optimizer state as a single-device optimizer lays it out."""
-    state = ki.sharded_state(model.optimizer)
+    state = kc.sharded_state(model.optimizer)
     if state is not None:
         return state.canonical_values()
     return [np.asarray(v.numpy()) for v in model.optimizer.variables]
@@ -324,7 +324,7 @@ def test_adam_state_per_replica_is_one_nth_of_mirrored(n):
     mirrored, model = models
     full = tfdist.memory_report(mirrored)
     split = tfdist.memory_report(model)
-    layout = ki.sharded_state(model.optimizer).layout
+    layout = kc.sharded_state(model.optimizer).layout
     scalars = 8 + 4  # iteration (int64) and learning rate (float32), on every replica
     assert sorted(split) == sorted(full) and len(split) == n
     for device in split:
@@ -624,7 +624,7 @@ def test_custom_train_step_gets_the_sharded_update(stage, data10):
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
     assert max_relative_difference(canonical(reference), canonical(model)) < 1e-5
     # The optimizer holds slots for one flat slice per replica, not per model variable.
-    assert model.optimizer.variables[-1].shape == (ki.sharded_state(model.optimizer).layout.shard_size,)
+    assert model.optimizer.variables[-1].shape == (kc.sharded_state(model.optimizer).layout.shard_size,)
 
 
 def test_custom_training_loop_over_a_compiled_model_is_sharded(data10):
@@ -654,7 +654,7 @@ def test_custom_training_loop_over_a_compiled_model_is_sharded(data10):
 
     reference = run(tf.distribute.get_strategy())
     model = run(sharded(2, stage=2))
-    assert ki.sharded_state(model.optimizer) is not None
+    assert kc.sharded_state(model.optimizer) is not None
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
     assert max_relative_difference(canonical(reference), canonical(model)) < 1e-5
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tfdist import keras_integration as ki
+from tfdist._compat import keras as kc
 from tfdist.engine.custom import CustomTrainStep
 from tfdist.engine.loop import make_host_function
 from tfdist.engine.step import TrainStep
@@ -20,7 +20,7 @@ def validate_compiled_model(model) -> None:
         return
     strategy = model.distribute_strategy
     options = strategy.options
-    keras_steps = ki.keras_accumulation_steps(optimizer)
+    keras_steps = kc.keras_accumulation_steps(optimizer)
     if strategy.gradient_path == "parameter_server":
         _validate_parameter_server(model, options)
     if keras_steps and options.accumulation_steps > 1:
@@ -41,7 +41,7 @@ def _validate_parameter_server(model, options) -> None:
         unsupported.append(f"accumulation_steps={options.accumulation_steps}")
     if options.jit_compile or model.jit_compile is True:
         unsupported.append("jit_compile=True")
-    if any(getattr(layer, "synchronized", False) for layer in ki.all_layers(model)):
+    if any(getattr(layer, "synchronized", False) for layer in kc.all_layers(model)):
         unsupported.append("BatchNormalization(synchronized=True)")
     if unsupported:
         raise NotImplementedError(
@@ -54,7 +54,7 @@ def _validate_parameter_server(model, options) -> None:
 def make_train_function(model):
     """The function Keras's `fit` calls per host call, for a tfdist model."""
     validate_compiled_model(model)
-    if ki.has_custom_train_step(model):
+    if kc.has_custom_train_step(model):
         # The user's own train_step runs per replica, as in Keras; its
         # optimizer.apply runs the engine's reduction and update.
         step_fn = CustomTrainStep(model)

@@ -15,7 +15,7 @@ built-in step gets:
   each call adds the replica's gradients to its accumulators; the reduction
   and update run on the k-th call of each window only (`transforms.Accumulate`);
 * `jit_compile=True`: the ops the user's `train_step` creates on each
-  replica are compiled with XLA (`keras_integration.xla_compiled_ops`), the
+  replica are compiled with XLA (`tfdist._compat.tf.xla_compiled_ops`), the
   reduction and update outside it;
 * `LossScaleOptimizer`: scale the loss with `self.optimizer.scale_loss(loss)`
   as Keras's guide says; the reduced gradient is unscaled, and the update
@@ -40,7 +40,8 @@ import functools
 import keras
 import tensorflow as tf
 
-from tfdist import keras_integration as ki
+from tfdist._compat import keras as kc
+from tfdist._compat import tf as tfc
 from tfdist.engine.step import TrainStep, _scale, with_variable_shapes
 
 
@@ -70,7 +71,7 @@ class CustomTrainStep(TrainStep):
         self.applied = 0
         with self.strategy.scope(), self._standing_in_for_apply():
             if self.jit_compile:
-                with ki.xla_compiled_ops(skip=self._is_engine_op):
+                with tfc.xla_compiled_ops(skip=self._is_engine_op):
                     self.strategy.run(self.model.train_step, args=(data,))
             else:
                 self.strategy.run(self.model.train_step, args=(data,))
@@ -103,15 +104,15 @@ class CustomTrainStep(TrainStep):
         if variables is None:
             if not self.optimizer.built:
                 return None
-            variables = ki.optimizer_trainable_variables(ki.inner_optimizer(self.optimizer))
+            variables = kc.optimizer_trainable_variables(kc.inner_optimizer(self.optimizer))
         variables = list(variables)
         model_variables = self.model.trainable_variables
         if len(variables) != len(model_variables):
             return None
-        position = {id(ki._tf_variable(v)): i for i, v in enumerate(variables)}
+        position = {id(kc.tf_variable(v)): i for i, v in enumerate(variables)}
         ordered = []
         for v in model_variables:
-            i = position.get(id(ki._tf_variable(v)))
+            i = position.get(id(kc.tf_variable(v)))
             if i is None:
                 return None
             ordered.append(grads[i])

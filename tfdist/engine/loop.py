@@ -126,10 +126,10 @@ def global_batch_size(data) -> tf.Tensor:
 
 def gathers_rows(model) -> bool:
     """Whether a step may all-gather sparse rows whose count follows the batch (an Embedding)."""
-    from tfdist import keras_integration as ki
+    from tfdist._compat import keras as kc
 
     return any(
-        isinstance(layer, keras.layers.Embedding) and layer.trainable for layer in ki.all_layers(model)
+        isinstance(layer, keras.layers.Embedding) and layer.trainable for layer in kc.all_layers(model)
     )
 
 

@@ -36,7 +36,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import keras_integration as ki
+from tfdist._compat import keras as kc
+from tfdist._compat import tf as tfc
 from tfdist.engine import update
 from tfdist.engine.paths import register_gradient_path
 
@@ -60,7 +61,7 @@ def _regroup(variable, part_grads: list):
     if not any(isinstance(g, tf.IndexedSlices) for g in part_grads):
         return tf.concat(part_grads, axis=0)
     values, indices, offset = [], [], 0
-    for part, g in zip(ki.variable_parts(variable), part_grads):
+    for part, g in zip(kc.variable_parts(variable), part_grads):
         g = g if isinstance(g, tf.IndexedSlices) else tf.IndexedSlices(g, tf.range(tf.shape(g)[0]))
         values.append(g.values)
         indices.append(tf.cast(g.indices, tf.int64) + offset)
@@ -77,22 +78,22 @@ def worker_gradients(model, data) -> list:
     `GradientTape` sources reject a `ShardedVariable`, and regrouped into one
     gradient per Keras variable.
     """
-    x, y, sample_weight = ki.unpack_data(data)
+    x, y, sample_weight = kc.unpack_data(data)
     flat = [t for t in tf.nest.flatten(x) if t is not None]
     batch = tf.shape(flat[0])[0]
     trainable = model.trainable_variables
-    sources = [ki.variable_parts(v) for v in trainable]
+    sources = [kc.variable_parts(v) for v in trainable]
     with tf.GradientTape() as tape:
-        y_pred = ki.call_model(model, x, training=True)
-        loss = ki.compute_loss(model, x, y, y_pred, sample_weight, training=True)
-        ki.track_loss(model, loss, batch)
+        y_pred = kc.call_model(model, x, training=True)
+        loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+        kc.track_loss(model, loss, batch)
     grads = tape.gradient(loss, [s for parts in sources for s in parts])
     model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     out, i = [], 0
     for v, parts in zip(trainable, sources):
         out.append(_regroup(v, grads[i : i + len(parts)]))
         i += len(parts)
-    return ki.clip_gradients(model.optimizer, out)
+    return kc.clip_gradients(model.optimizer, out)
 
 
 def parameter_server(step, data) -> None:
@@ -132,13 +133,13 @@ def validate_model(model) -> None:
                 f"leave it at its default ({STEP_OPTIONS[name].default!r}). Received: {name}={value!r}"
             )
     optimizer = model.optimizer
-    if ki.has_custom_train_step(model):
+    if kc.has_custom_train_step(model):
         raise NotImplementedError(
             "A custom train_step under strategy 'parameter_server' is not supported: tfdist's "
             "step applies each worker's gradient to the variables on the ps tasks itself. "
             f"Received: {type(model).__name__}.train_step overridden"
         )
-    if ki.is_loss_scale_optimizer(optimizer):
+    if kc.is_loss_scale_optimizer(optimizer):
         raise NotImplementedError(
             "LossScaleOptimizer under strategy 'parameter_server' is not supported. "
             "Train in float32 or mixed_bfloat16."
@@ -174,7 +175,7 @@ _PY_OPS = ("PyFunc", "PyFuncStateless", "EagerPyFunc")
 def _python_op(dataset: tf.data.Dataset) -> str | None:
     """The first op in `dataset`'s graph that calls back into this Python process, if any."""
     graph = tf.compat.v1.GraphDef()
-    graph.ParseFromString(dataset._as_serialized_graph().numpy())
+    graph.ParseFromString(tfc.dataset_graph_def(dataset))
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     for node in nodes:
         if node.op in _PY_OPS:
@@ -400,7 +401,7 @@ def fit(
     """
     strategy = model.distribute_strategy
     _check_chief(strategy, "fit")
-    model._assert_compile_called("fit")
+    kc.assert_compile_called(model, "fit")
     validate_model(model)
     if class_weight is not None:
         raise NotImplementedError(
@@ -414,7 +415,7 @@ def fit(
         )
     data = PerWorkerInput(strategy, x, y, sample_weight, batch_size, shuffle, steps_per_epoch)
     with strategy.scope():
-        ki.symbolic_build(model, data.first_batch())
+        kc.symbolic_build(model, data.first_batch())
     steps = data.steps_per_epoch
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(
@@ -442,7 +443,7 @@ def _fit_loop(model, strategy, data, callbacks, epochs, initial_epoch, validatio
     model.stop_training = False
     callbacks.on_train_begin()
     training_logs = None
-    epoch = ki.resume_epoch(model, initial_epoch)
+    epoch = kc.resume_epoch(model, initial_epoch)
     try:
         while epoch < epochs:
             model.reset_metrics()
@@ -455,10 +456,10 @@ def _fit_loop(model, strategy, data, callbacks, epochs, initial_epoch, validatio
                 done += n
                 callbacks.on_train_batch_end(done - 1, {})
             coordinator.join()
-            epoch_logs = ki.pythonify_logs(model.get_metrics_result())
-            if validation_data is not None and model._should_eval(epoch, validation_freq):
+            epoch_logs = kc.pythonify_logs(model.get_metrics_result())
+            if validation_data is not None and kc.should_eval(model, epoch, validation_freq):
                 val_x, val_y, val_w = (
-                    ki.unpack_data(validation_data)
+                    kc.unpack_data(validation_data)
                     if isinstance(validation_data, tuple)
                     else (validation_data, None, None)
                 )
@@ -484,11 +485,11 @@ def _fit_loop(model, strategy, data, callbacks, epochs, initial_epoch, validatio
 
 def _local_test_function(model):
     def test(data):
-        x, y, sample_weight = ki.unpack_data(data)
-        y_pred = ki.call_model(model, x, training=False)
-        loss = ki.compute_loss(model, x, y, y_pred, sample_weight, training=False)
+        x, y, sample_weight = kc.unpack_data(data)
+        y_pred = kc.call_model(model, x, training=False)
+        loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=False)
         flat = [t for t in tf.nest.flatten(x) if t is not None]
-        ki.track_loss(model, loss, tf.shape(flat[0])[0])
+        kc.track_loss(model, loss, tf.shape(flat[0])[0])
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     return test if model.run_eagerly else tf.function(test, reduce_retracing=True)
@@ -509,13 +510,13 @@ def evaluate(
     """Keras `model.evaluate` on the chief, reading the variables from the ps tasks."""
     strategy = model.distribute_strategy
     _check_chief(strategy, "evaluate")
-    model._assert_compile_called("evaluate")
+    kc.assert_compile_called(model, "evaluate")
     kwargs.pop("_use_cached_eval_dataset", None)
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
     dataset = _local_dataset(x, y, sample_weight, batch_size, steps)
     with strategy.scope():
-        ki.symbolic_build(model, next(iter(dataset)))
+        kc.symbolic_build(model, next(iter(dataset)))
     num_batches = int(dataset.cardinality()) if dataset.cardinality() >= 0 else None
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(
@@ -536,11 +537,11 @@ def evaluate(
         callbacks.on_test_batch_end(i, logs)
         if model.stop_evaluating:
             break
-    logs = ki.pythonify_logs(ki.metrics_result_or_logs(model, logs))
+    logs = kc.pythonify_logs(kc.metrics_result_or_logs(model, logs))
     callbacks.on_test_end(logs)
     if return_dict:
         return logs
-    return model._flatten_metrics_in_order(logs)
+    return kc.flatten_metrics_in_order(model, logs)
 
 
 def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -552,8 +553,8 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     if forward is None:
 
         def forward(data):
-            x, _, _ = ki.unpack_data(data)
-            return ki.call_model(model, x, training=False)
+            x, _, _ = kc.unpack_data(data)
+            return kc.call_model(model, x, training=False)
 
         forward = model._tfdist_ps_predict = forward if model.run_eagerly else tf.function(forward)
     outputs = [forward(batch) for batch in dataset]

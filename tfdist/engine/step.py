@@ -30,7 +30,8 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tfdist import keras_integration as ki
+from tfdist._compat import keras as kc
+from tfdist._compat import tf as tfc
 from tfdist.engine import transforms as T
 from tfdist.engine import update
 
@@ -72,7 +73,7 @@ def with_variable_shapes(grads: list, variables) -> list:
 def accumulation_steps(model) -> int:
     """Micro-batches per optimizer step: the `accumulation_steps` option or Keras's own."""
     option = model.distribute_strategy.options.accumulation_steps
-    keras_steps = ki.keras_accumulation_steps(model.optimizer)
+    keras_steps = kc.keras_accumulation_steps(model.optimizer)
     return keras_steps or option
 
 
@@ -98,7 +99,7 @@ class TrainStep:
         self.optimizer = model.optimizer
         self.jit_compile = uses_xla(model)
         # The optimizer whose update rule runs: a LossScaleOptimizer's inner one.
-        self.update_optimizer = ki.inner_optimizer(self.optimizer)
+        self.update_optimizer = kc.inner_optimizer(self.optimizer)
         self.loss_scale = T.dynamic_loss_scale(self.optimizer)
         self.reduced = T.compose(
             T.normalize_by_weight(),
@@ -111,15 +112,15 @@ class TrainStep:
         self.overwritten = [
             i
             for i, v in enumerate(model.trainable_variables)
-            if ki.overwrites_with_gradient(self.update_optimizer, v)
+            if kc.overwrites_with_gradient(self.update_optimizer, v)
         ]
         k = accumulation_steps(model)
         self.accumulation: T.Accumulate | None = None
         with self.strategy.scope():
             if k > 1:
                 keras_counter = (
-                    ki.iterations_variable(self.update_optimizer)
-                    if ki.keras_accumulation_steps(self.optimizer)
+                    kc.iterations_variable(self.update_optimizer)
+                    if kc.keras_accumulation_steps(self.optimizer)
                     else None
                 )
                 self.accumulation = T.Accumulate(k, model.trainable_variables, keras_counter)
@@ -131,8 +132,8 @@ class TrainStep:
     def _forward_backward(self, x, y, sample_weight):
         model = self.model
         with tf.GradientTape() as tape:
-            y_pred = ki.call_model(model, x, training=True)
-            loss = ki.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+            y_pred = kc.call_model(model, x, training=True)
+            loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=True)
             scaled = self.loss_scale.scale_loss(loss) if self.loss_scale else loss
             if self.update_optimizer.loss_scale_factor is not None:
                 scaled = scaled * self.update_optimizer.loss_scale_factor
@@ -141,14 +142,14 @@ class TrainStep:
 
     def compute_gradients(self, data) -> list:
         """Replica context: `[weighted grads..., batch size]` of this micro-batch."""
-        x, y, sample_weight = ki.unpack_data(data)
+        x, y, sample_weight = kc.unpack_data(data)
         batch = _first_batch_dim(x)
         if self.jit_compile:
-            with ki.xla_compiled_ops():
+            with tfc.xla_compiled_ops():
                 y_pred, loss, grads = self._forward_backward(x, y, sample_weight)
         else:
             y_pred, loss, grads = self._forward_backward(x, y, sample_weight)
-        ki.track_loss(self.model, loss, batch)
+        kc.track_loss(self.model, loss, batch)
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         grads = self.overwrite_from_replicas(grads)
         # Keras divided the loss by the replica count; undo that and weight by
@@ -186,7 +187,7 @@ class TrainStep:
             for v, value in zip(variables, new):
                 first = strategy.experimental_local_results(value)[0]
                 strategy.extended.update(
-                    ki._tf_variable(v), lambda var, t: var.assign(tf.cast(t, var.dtype)), args=(first,), group=False
+                    kc.tf_variable(v), lambda var, t: var.assign(tf.cast(t, var.dtype)), args=(first,), group=False
                 )
 
         ctx.merge_call(write, args=tuple(largest))

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from tfdist import keras_integration as ki
+from tfdist._compat import keras as kc
 
 
 def _map(fn, grads):
@@ -127,7 +127,7 @@ class ClipByOptimizer(GradientTransformation):
         self.optimizer = optimizer
 
     def update(self, grads: list) -> list:
-        return ki.clip_gradients(self.optimizer, grads)
+        return kc.clip_gradients(self.optimizer, grads)
 
 
 def clip_by_optimizer(optimizer) -> ClipByOptimizer | None:
@@ -209,7 +209,7 @@ class DynamicLossScale(GradientTransformation):
 
 
 def dynamic_loss_scale(optimizer) -> DynamicLossScale | None:
-    return DynamicLossScale(optimizer) if ki.is_loss_scale_optimizer(optimizer) else None
+    return DynamicLossScale(optimizer) if kc.is_loss_scale_optimizer(optimizer) else None
 
 
 class Accumulate(GradientTransformation):

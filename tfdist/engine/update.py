@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from tfdist import keras_integration as ki
+from tfdist._compat import keras as kc
 
 
 class Placement:
@@ -66,14 +66,14 @@ class EveryCopy(Placement):
         self.strategy = strategy
 
     def run(self, variable, fn: Callable, *args) -> None:
-        self.strategy.extended.update(ki._tf_variable(variable), fn, args=args, group=False)
+        self.strategy.extended.update(kc.tf_variable(variable), fn, args=args, group=False)
 
 
 class InPlace(Placement):
     """The variable where it lives, written from the calling context (no synchronisation)."""
 
     def run(self, variable, fn: Callable, *args) -> None:
-        fn(ki._tf_variable(variable), *args)
+        fn(kc.tf_variable(variable), *args)
 
 
 def apply_update(
@@ -104,8 +104,8 @@ def apply_update(
         count: whether to advance the iteration count here (the sharded
             optimizer advances it after its all-gather).
     """
-    if ki.is_multi_optimizer(optimizer):
-        for sub_optimizer, indices in ki.multi_optimizer_groups(optimizer, variables):
+    if kc.is_multi_optimizer(optimizer):
+        for sub_optimizer, indices in kc.multi_optimizer_groups(optimizer, variables):
             apply_update(
                 sub_optimizer,
                 [grads[i] for i in indices],
@@ -116,22 +116,22 @@ def apply_update(
                 count=True,
             )
         if count:
-            ki.iterations_variable(optimizer).assign_add(1)
+            kc.iterations_variable(optimizer).assign_add(1)
         return
 
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     if pairs:
         updates = []
         for g, v in pairs:
-            if ki.overwrites_with_gradient(optimizer, v):
+            if kc.overwrites_with_gradient(optimizer, v):
                 placement.run(v, _overwrite, g)
             else:
                 updates.append((g, v))
-        with ki.optimizer_name_scope(optimizer):
+        with kc.optimizer_name_scope(optimizer):
             if updates:
                 _update(optimizer, updates, placement, decay_mask, constrain)
     if count:
-        ki.iterations_variable(optimizer).assign_add(1)
+        kc.iterations_variable(optimizer).assign_add(1)
 
 
 def _overwrite(v, g):
@@ -140,10 +140,10 @@ def _overwrite(v, g):
 
 def _update(optimizer, pairs, placement, decay_mask, constrain) -> None:
     learning_rate = optimizer.learning_rate
-    ki.advance_per_step_state(optimizer)
+    kc.advance_per_step_state(optimizer)
 
     for _, v in pairs:
-        rate = ki.weight_decay_rate(optimizer, v, masked=decay_mask is not None)
+        rate = kc.weight_decay_rate(optimizer, v, masked=decay_mask is not None)
         if rate is None:
             continue
 
@@ -166,12 +166,12 @@ def _update(optimizer, pairs, placement, decay_mask, constrain) -> None:
 
     if optimizer.use_ema:
         iterations = optimizer.iterations
-        averages = ki.ema_averages(optimizer)
+        averages = kc.ema_averages(optimizer)
         momentum = tf.cast(tf.not_equal(iterations, 0), tf.float32) * optimizer.ema_momentum
         overwrite = None
         if optimizer.ema_overwrite_frequency:
             overwrite = tf.equal((iterations + 1) % optimizer.ema_overwrite_frequency, 0)
-        for var, average in zip(ki.optimizer_trainable_variables(optimizer), averages):
+        for var, average in zip(kc.optimizer_trainable_variables(optimizer), averages):
             if average is None:
                 continue
 
@@ -179,10 +179,10 @@ def _update(optimizer, pairs, placement, decay_mask, constrain) -> None:
                 m = tf.cast(momentum, avg.dtype)
                 return avg.assign(m * avg + (1.0 - m) * tf.convert_to_tensor(value))
 
-            placement.run(average, ema, ki._tf_variable(var))
+            placement.run(average, ema, kc.tf_variable(var))
             if overwrite is not None:
 
                 def maybe_overwrite(x, avg):
                     return x.assign(tf.where(overwrite, tf.convert_to_tensor(avg), tf.convert_to_tensor(x)))
 
-                placement.run(var, maybe_overwrite, ki._tf_variable(average))
+                placement.run(var, maybe_overwrite, kc.tf_variable(average))

@@ -30,7 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import keras_integration as ki
+from tfdist._compat import keras as kc
 from tfdist.engine import update
 from tfdist.engine.step import TrainStep, with_variable_shapes
 from tfdist.estimator.estimator_spec import EstimatorSpec, check_spec, predictions_as_dict
@@ -201,7 +201,7 @@ class _Graph:
         custom `train_step` does): then Keras loss objects divide it by the
         replica count, as Keras's optimizer expects.
         """
-        unscaled = contextlib.nullcontext() if keras_loss_convention else ki.keras_losses_unscaled()
+        unscaled = contextlib.nullcontext() if keras_loss_convention else kc.keras_losses_unscaled()
         with self.store.call(allow_creation=allow_creation) as record, unscaled:
             spec = self.estimator._call_model_fn(features, labels, mode)
         if allow_creation:
@@ -642,7 +642,7 @@ class Estimator:
             features, labels = _split(data)
             with tf.GradientTape() as tape:
                 spec = graph.call_model_fn(features, labels, ModeKeys.TRAIN)
-            grads = ki.clip_gradients(optimizer, tape.gradient(spec.loss, variables))
+            grads = kc.clip_gradients(optimizer, tape.gradient(spec.loss, variables))
             return grads, spec.loss
 
         def worker_fn(iterator):
@@ -881,7 +881,8 @@ class Estimator:
         from tfdist.estimator.export import write_saved_model
 
         path = checkpoint_path or self._require_checkpoint("export_saved_model")
-        return write_saved_model(self, export_dir_base, serving_input_receiver_fn, path)
+        graph = _Graph(self, tf.distribute.get_strategy())
+        return write_saved_model(graph, export_dir_base, serving_input_receiver_fn, path)
 
 
 def _first_local(strategy, value):

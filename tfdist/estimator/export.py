@@ -99,15 +99,16 @@ def _receiver(fn: Callable) -> tuple[dict, Callable[[dict], Any]]:
     return specs, to_features
 
 
-def write_saved_model(estimator, export_dir_base: str, serving_input_receiver_fn: Callable,
+def write_saved_model(graph, export_dir_base: str, serving_input_receiver_fn: Callable,
                       checkpoint_path: str) -> str:
-    """Builds the PREDICT graph on one device, restores `checkpoint_path` and saves it."""
-    from tfdist.estimator.estimator import _Graph
+    """Builds the PREDICT graph on one device, restores `checkpoint_path` and saves it.
 
+    `graph`: the estimator's `_Graph` for the default (one-device) strategy,
+    made by the caller (this module sits below `tfdist.estimator.estimator`).
+    """
     specs, to_features = _receiver(serving_input_receiver_fn)
     names = sorted(specs)
     signature = [tf.TensorSpec(specs[n].shape, specs[n].dtype, name=n) for n in names]
-    graph = _Graph(estimator, tf.distribute.get_strategy())
     built = []
 
     def serve(*tensors, allow_creation=False):

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import tensorflow as tf
 
-from tfdist import keras_integration as ki
+from tfdist._compat import keras as kc
 
 
 def _create(next_creator, key: str, kwargs: dict) -> tf.Variable:
@@ -89,7 +89,7 @@ class VariableStore:
                 return next_creator(**kwargs)
             name = kwargs.get("name") or "Variable"
             name = str(name).split(":")[0]
-            path = ki.keras_name_scope_path()
+            path = kc.keras_name_scope_path()
             base = f"{path}/{name}" if path else name
             key = base if repeats[base] == 0 else f"{base}#{repeats[base]}"
             repeats[base] += 1
@@ -113,5 +113,5 @@ class VariableStore:
                 record.variables.append(variable)
             return variable
 
-        with ki.fresh_keras_names(), tf.variable_creator_scope(creator):
+        with kc.fresh_keras_names(), tf.variable_creator_scope(creator):
             yield record

@@ -9,7 +9,7 @@ engine uses for it. Nothing else belongs here: shared step logic lives in
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from tfdist.options import Option, TrainingOptions, split_options
 
@@ -50,8 +50,8 @@ class TfdistStrategy:
     def experimental_distribute_dataset(self, dataset, options=None):
         # Input is staged onto the replicas' devices by tfdist.data.TransferManager
         # (step options `transfer`, `prefetch_depth`); explicit `options` win.
+        from tfdist._compat.tf import distribute_dataset
         from tfdist.data import TransferManager
-        from tfdist.keras_integration import distribute_dataset
 
         options = TransferManager.from_options(self.options).input_options(options)
         return distribute_dataset(self, dataset, options, super().experimental_distribute_dataset)
@@ -68,6 +68,23 @@ class TfdistStrategy:
             f"<tfdist {type(self).__name__} name={self.name!r} "
             f"replicas={self.num_replicas_in_sync}{', ' + params if params else ''}>"
         )
+
+
+# Hooks the integration layer (`tfdist.keras_integration`) registers, run when a
+# strategy of a kind is constructed, so that strategies never import the layer
+# above them: "multi_worker" (chief-only callback writes in `fit`) and
+# "parameter_server" (tfdist's fit/evaluate/predict for ClusterCoordinator jobs).
+_CREATION_HOOKS: dict[str, list[Callable[[Any], None]]] = {}
+
+
+def add_creation_hook(kind: str, fn: Callable[[Any], None]) -> None:
+    """Registers `fn(strategy)` to run when a strategy of `kind` is constructed."""
+    _CREATION_HOOKS.setdefault(kind, []).append(fn)
+
+
+def run_creation_hooks(kind: str, strategy: Any) -> None:
+    for fn in _CREATION_HOOKS.get(kind, []):
+        fn(strategy)
 
 
 def is_tfdist_strategy(strategy: Any) -> bool:

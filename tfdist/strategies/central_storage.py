@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tfdist import devices as devices_lib
-from tfdist import keras_integration
 from tfdist import options as options_lib
+from tfdist._compat import tf as tfc
 from tfdist.strategies.base import TfdistStrategy
 
 PARAMETER_DEVICE = options_lib.Option(
@@ -70,4 +70,4 @@ class CentralStorageStrategy(TfdistStrategy, tf.distribute.experimental.CentralS
         )[0]
         super().__init__(compute_devices=compute, parameter_device=param_dev)
         self.parameter_device = param_dev
-        keras_integration.configure_variable_creation(self, on_read_devices=compute)
+        tfc.configure_variable_creation(self, on_read_devices=compute)

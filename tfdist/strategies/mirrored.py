@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tfdist import devices as devices_lib
-from tfdist import keras_integration
 from tfdist import options as options_lib
+from tfdist._compat import tf as tfc
 from tfdist.strategies.base import TfdistStrategy
 
 
@@ -43,6 +43,6 @@ class MirroredStrategy(TfdistStrategy, tf.distribute.MirroredStrategy):
         params = self._tfdist_init({"devices": devices, **options})
         devs = params.get("devices")
         devs = devices_lib.check_devices(devs) if devs else devices_lib.default_devices()
-        keras_integration.isolate_collective_keys(self)
+        tfc.isolate_collective_keys(self)
         super().__init__(devices=devs)
-        keras_integration.configure_variable_creation(self)
+        tfc.configure_variable_creation(self)

@@ -10,9 +10,9 @@ from typing import Any, Optional, Union
 import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
-from tfdist import keras_integration
 from tfdist import options as options_lib
-from tfdist.strategies.base import TfdistStrategy
+from tfdist._compat import tf as tfc
+from tfdist.strategies.base import TfdistStrategy, run_creation_hooks
 
 CLUSTER = options_lib.Option(
     name="cluster",
@@ -151,9 +151,9 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             implementation=_IMPLEMENTATIONS[params["communication"]],
             timeout_seconds=params["collective_timeout"],
         )
-        keras_integration.isolate_collective_keys(self)
+        tfc.isolate_collective_keys(self)
         super().__init__(cluster_resolver=resolver, communication_options=comm)
-        keras_integration.redirect_non_chief_writes_in_fit()
+        run_creation_hooks("multi_worker", self)
 
     @classmethod
     def demo_kwargs(cls):

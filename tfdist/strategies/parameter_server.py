@@ -14,9 +14,9 @@ from typing import Any
 import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
-from tfdist import keras_integration
 from tfdist import options as options_lib
-from tfdist.strategies.base import TfdistStrategy
+from tfdist._compat import tf as tfc
+from tfdist.strategies.base import TfdistStrategy, run_creation_hooks
 
 _PARTITIONER_SPEC = re.compile(r"^(num_shards|max_shard_bytes|min_shard_bytes):([1-9][0-9]*)$")
 
@@ -443,8 +443,8 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
         super().__init__(resolver, variable_partitioner=partitioner)
         self._tfdist_params.pop("cluster_resolver", None)
         self._tfdist_params.pop("join", None)
-        keras_integration.colocate_slots_with_shards(self)
-        keras_integration.install_parameter_server_fit()
+        tfc.colocate_slots_with_shards(self)
+        run_creation_hooks("parameter_server", self)
         # The coordinator is one per strategy; tf-keras's fit finds the same one.
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
         from tfdist.engine import parameter_server  # noqa: F401  (registers the gradient path)

@@ -43,8 +43,9 @@ import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
 from tfdist import collectives
-from tfdist import keras_integration as ki
 from tfdist import options as options_lib
+from tfdist._compat import keras as kc
+from tfdist._compat import tf as tfc
 from tfdist.engine import update
 from tfdist.engine.paths import register_gradient_path
 from tfdist.sharding import FlatLayout, dense_only, gather_shard, gather_shard_slices, has_sparse
@@ -90,7 +91,7 @@ class _ShardedStrategyMixin:
         optimizer = model.optimizer
         if optimizer is None:
             return
-        if ki.is_loss_scale_optimizer(optimizer):
+        if kc.is_loss_scale_optimizer(optimizer):
             raise NotImplementedError(
                 "LossScaleOptimizer (mixed_float16 dynamic loss scaling) is not supported by "
                 "the 'sharded_optimizer' strategy: its per-slice optimizers are built from the "
@@ -104,12 +105,12 @@ class _ShardedStrategyMixin:
                 f"strategy: {reason}, and each replica holds only a flat slice. Use the mirrored "
                 "strategy, or an optimizer with per-element state (Adam, AdamW, SGD, Lion, ...)."
             )
-        if ki.keras_accumulation_steps(optimizer):
+        if kc.keras_accumulation_steps(optimizer):
             raise NotImplementedError(
                 "Optimizer(gradient_accumulation_steps=...) is not supported by the "
                 "'sharded_optimizer' strategy. Use the strategy option accumulation_steps=... instead."
             )
-        if ki.sharded_state(optimizer) is not None:
+        if kc.sharded_state(optimizer) is not None:
             return
         if optimizer.built:
             raise ValueError(
@@ -117,9 +118,9 @@ class _ShardedStrategyMixin:
                 f"{len(optimizer.variables)} variables), so it cannot be sharded. Pass a new, "
                 "unbuilt optimizer to model.compile() under the 'sharded_optimizer' strategy."
             )
-        ki.install_sharded_optimizer(optimizer, ShardedState(self, optimizer))
+        kc.install_sharded_optimizer(optimizer, ShardedState(self, optimizer))
         if not getattr(model, "_tfdist_load_guarded", False):
-            ki.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
+            kc.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
             object.__setattr__(model, "_tfdist_load_guarded", True)
 
 
@@ -198,7 +199,7 @@ class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclas
             options.pop(name, None)
         super().__init__(devices=devices, stage=stage, **options)
         self.stage = stage
-        ki.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
+        tfc.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
 
     @classmethod
     def demo_kwargs(cls):
@@ -237,7 +238,7 @@ class MultiWorkerShardedOptimizerStrategy(_ShardedStrategyMixin, MultiWorkerMirr
         _check_stage(stage)
         super().__init__(stage=stage, **kwargs)
         self.stage = stage
-        ki.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
+        tfc.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
 
     @classmethod
     def demo_kwargs(cls):
@@ -266,7 +267,7 @@ def _runs_across_workers(kwargs: dict) -> bool:
 
 def _snapshot(model) -> tuple:
     """Host copies of the model's weights and its optimizer's canonical state."""
-    state = ki.sharded_state(model.optimizer) if model.optimizer is not None else None
+    state = kc.sharded_state(model.optimizer) if model.optimizer is not None else None
     values = state.canonical_values() if state is not None and state.layout is not None else None
     return [np.array(v.numpy()) for v in model.weights], state, values
 
@@ -283,7 +284,7 @@ class ShardedState:
     """The sharded side of one Keras optimizer: layout, flat slice variable, canonical state.
 
     Created by `ShardedOptimizerStrategy.on_compile`; its methods are
-    installed on the optimizer instance (`keras_integration.install_sharded_optimizer`).
+    installed on the optimizer instance (`tfdist._compat.keras.install_sharded_optimizer`).
 
     Attributes:
         layout: the `FlatLayout` of the model's trainable variables.
@@ -320,7 +321,7 @@ class ShardedState:
                 f"{bad[0].dtype}. Keep variables in float32 (mixed precision policies such as "
                 "'mixed_bfloat16' already do)."
             )
-        overwritten = [v for v in variables if ki.overwrites_with_gradient(optimizer, v)]
+        overwritten = [v for v in variables if kc.overwrites_with_gradient(optimizer, v)]
         if overwritten:
             raise NotImplementedError(
                 f"The 'sharded_optimizer' strategy does not train {overwritten[0].path!r}: a float8 "
@@ -338,20 +339,20 @@ class ShardedState:
                 trainable=False,
                 name="tfdist_parameter_shard",
             )
-            ki.build_optimizer(optimizer, [self.flat])
-            self.entries, self.slots = ki.canonical_optimizer_layout(optimizer, self.flat, len(variables))
+            kc.build_optimizer(optimizer, [self.flat])
+            self.entries, self.slots = kc.canonical_optimizer_layout(optimizer, self.flat, len(variables))
             # State an optimizer starts from the weights (ScheduleFreeAdamW's
             # momentum): its `build` copied the flat variable, read in
             # cross-replica context (one replica's zeros); each replica's copy
             # must start from that replica's slice of the weights.
-            initial = ki.slots_initialised_from_weights(optimizer)
+            initial = kc.slots_initialised_from_weights(optimizer)
             if initial:
                 with tf.init_scope():
                     weights = self.layout.flatten_numpy([np.asarray(v.numpy()) for v in variables])
                     for slot in initial:
                         self._scatter_eager(self.slots[slot], weights)
         if optimizer.weight_decay is not None:
-            self.decay = [ki.uses_weight_decay(optimizer, v) for v in variables]
+            self.decay = [kc.uses_weight_decay(optimizer, v) for v in variables]
         self._checkpoint_children = None
 
     def _clip_gradients(self, grads: list) -> list:
@@ -400,7 +401,7 @@ class ShardedState:
         """At the end of `fit` with `use_ema`: the model takes the averaged weights."""
         if not self.optimizer.use_ema or self.layout is None:
             return
-        average = ki.ema_average(self.optimizer)
+        average = kc.ema_average(self.optimizer)
         self._assign_model_variables(self._gather_eager(average))
 
     def save_own_variables(self, store) -> None:
@@ -420,7 +421,7 @@ class ShardedState:
 
     def _trackable_children(self, save_type="checkpoint", **kwargs) -> dict:
         """tf.train.Checkpoint: the children a single-device Keras optimizer has."""
-        children = ki.class_trackable_children(self.optimizer, save_type, **kwargs)
+        children = kc.class_trackable_children(self.optimizer, save_type, **kwargs)
         if self.layout is None or save_type != "checkpoint":
             return children
         if self._checkpoint_children is None:
@@ -436,8 +437,8 @@ class ShardedState:
 
     def _components(self, variable) -> list:
         """This worker's copies of a flat variable: `[(job-wide replica id, copy), ...]`."""
-        local = self.strategy.experimental_local_results(ki._tf_variable(variable))
-        return [(ki.replica_id_in_sync_group(self.strategy, i), c) for i, c in enumerate(local)]
+        local = self.strategy.experimental_local_results(kc.tf_variable(variable))
+        return [(tfc.replica_id_in_sync_group(self.strategy, i), c) for i, c in enumerate(local)]
 
     @property
     def across_workers(self) -> bool:
@@ -454,7 +455,7 @@ class ShardedState:
             comps = [c for _, c in self._components(variable)]
             with tf.device("/cpu:0"):
                 return tf.concat([tf.convert_to_tensor(c) for c in comps], axis=0)
-        v = ki._tf_variable(variable)
+        v = kc.tf_variable(variable)
         function = self._gather_functions.get(id(v))
         if function is None:
             strategy = self.strategy
@@ -542,7 +543,7 @@ class ShardedState:
                         with tf.device(component.device):
                             component.assign(current)
 
-            return ki.canonical_checkpoint_value(read, write, self.layout.shapes[index])
+            return tfc.canonical_checkpoint_value(read, write, self.layout.shapes[index])
 
         canonical = []
         by_slot: dict = {}
@@ -554,12 +555,12 @@ class ShardedState:
                 canonical.append(value)
                 by_slot.setdefault(entry[1], []).append(value)
         children = {
-            "_variables": ki.trackable_list(canonical),
-            "_trainable_variables": ki.trackable_list(self.variables),
+            "_variables": tfc.trackable_list(canonical),
+            "_trainable_variables": tfc.trackable_list(self.variables),
         }
         for attribute, slot in _SLOT_ATTRIBUTES.items():
-            if slot in by_slot and attribute in ki.class_trackable_children(self.optimizer, "checkpoint"):
-                children[attribute] = ki.trackable_list(by_slot[slot])
+            if slot in by_slot and attribute in kc.class_trackable_children(self.optimizer, "checkpoint"):
+                children[attribute] = tfc.trackable_list(by_slot[slot])
         return children
 
     # The step ----------------------------------------------------------------
@@ -599,21 +600,21 @@ class ShardedState:
     def _update_slices(self, grads: list) -> None:
         """Cross-replica context: each replica's optimizer update of its own slice."""
         strategy, layout = self.strategy, self.layout
-        variables = [ki._tf_variable(v) for v in self.variables]
+        variables = [kc.tf_variable(v) for v in self.variables]
 
         # The model variables are the truth (set_weights, load_weights and
         # checkpoints write them): each replica's slice starts from them.
         def refresh(v):
-            replica = ki.replica_id_in_sync_group(strategy, ki.update_replica_id())
+            replica = tfc.replica_id_in_sync_group(strategy, tfc.update_replica_id())
             return v.assign(gather_shard(layout, [tf.convert_to_tensor(x) for x in variables], replica))
 
-        flat = ki._tf_variable(self.flat)
+        flat = kc.tf_variable(self.flat)
         strategy.extended.update(flat, refresh, group=False)
 
         def mask():
             # Evaluated where each replica's update runs: decay only the
             # elements of variables that take weight decay.
-            replica = ki.replica_id_in_sync_group(strategy, ki.update_replica_id())
+            replica = tfc.replica_id_in_sync_group(strategy, tfc.update_replica_id())
             return layout.mask(replica, self.decay)
 
         (g,) = grads
@@ -626,7 +627,7 @@ class ShardedState:
         """Replica context: every variable's updated value, all-gathered from the slices."""
         dtypes = [v.dtype for v in self.variables]
         constraints = [v.constraint for v in self.variables]
-        full = collectives.all_gather_shards(tf.convert_to_tensor(ki._tf_variable(self.flat)))
+        full = collectives.all_gather_shards(tf.convert_to_tensor(kc.tf_variable(self.flat)))
         values = self.layout.unflatten(full, dtypes)
         return [c(t) if c is not None else t for c, t in zip(constraints, values)]
 
@@ -638,9 +639,9 @@ class ShardedState:
         """Cross-replica context: writes gathered values into the model; the step is done."""
         for v, value in zip(self.variables, values):
             self.strategy.extended.update(
-                ki._tf_variable(v), lambda x, t: x.assign(t), args=(value,), group=False
+                kc.tf_variable(v), lambda x, t: x.assign(t), args=(value,), group=False
             )
-        ki.advance_iterations(self.optimizer)
+        kc.advance_iterations(self.optimizer)
 
     def apply(self, grads, trainable_variables=None) -> None:
         """`optimizer.apply` from a custom `train_step` or training loop (replica context).
@@ -673,10 +674,10 @@ class ShardedState:
             )
         else:
             trainable_variables = self.variables
-        position = {id(ki._tf_variable(v)): i for i, v in enumerate(trainable_variables)}
+        position = {id(kc.tf_variable(v)): i for i, v in enumerate(trainable_variables)}
         ordered = []
         for v in self.variables:
-            i = position.get(id(ki._tf_variable(v)))
+            i = position.get(id(kc.tf_variable(v)))
             if i is None:
                 raise ValueError(
                     f"optimizer.apply() was given {len(trainable_variables)} variables without "
@@ -718,7 +719,7 @@ _SLOT_ATTRIBUTES = {
 
 def sharded_optimizer_path(step, data) -> None:
     """The gradient path of `ShardedOptimizerStrategy`: reduce to slices, update slices, all-gather."""
-    state = ki.sharded_state(step.optimizer)
+    state = kc.sharded_state(step.optimizer)
 
     def replica_fn(batch):
         return step.finish(state.reduce(step.options.bucket_bytes, step.local_gradients(batch)))

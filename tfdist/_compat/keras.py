@@ -1,0 +1,654 @@
+"""Keras private APIs, behind named functions: the only module that reaches into Keras.
+
+Every accessor here names what it reads and the Keras versions it was verified
+on (`VERIFIED_KERAS`, checked once by `tfdist.keras_integration.install`).
+Workarounds name their upstream issue (or quote the upstream error) in their
+docstrings, and each has a test that fails without it. Nothing here imports
+another tfdist module but `tfdist._compat.tf`; the layers above call these
+functions instead of touching `keras.src` or a private attribute.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+# Keras versions on which the private APIs below were verified.
+_originals: dict[str, Any] = {}
+_replaced: dict = {}
+
+
+VERIFIED_KERAS = ((3, 5), (3, 15))
+
+
+
+
+def keras_version() -> tuple[int, int]:
+    major, minor = keras.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def trainer_class():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return TensorFlowTrainer
+
+
+def call_model(model, x, training: bool):
+    """Calls the model as Keras's own train/test steps do."""
+    if model._call_has_training_arg:
+        return model(x, training=training)
+    return model(x)
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training: bool):
+    """The model's total loss for one replica, as Keras's `train_step` computes it.
+
+    Keras scales it by 1/num_replicas for distribution (see
+    `keras.src.losses.loss.scale_loss_for_distribution`).
+    """
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+
+
+def track_loss(model, loss, batch_size):
+    """Updates the model's `loss` metric as Keras's `train_step` does."""
+    from keras.src.losses import loss as loss_module
+
+    value = loss_module.unscale_loss_for_distribution(loss)
+    # A replica with an empty batch (the last, short global batch) adds nothing.
+    value = tf.where(batch_size > 0, value, tf.zeros_like(value))
+    model._loss_tracker.update_state(value, sample_weight=batch_size)
+
+
+def has_custom_train_step(model) -> bool:
+    return type(model).train_step is not trainer_class().train_step
+
+
+def has_custom_test_step(model) -> bool:
+    return type(model).test_step is not trainer_class().test_step
+
+
+def unpack_data(data):
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    return data_adapter_utils.unpack_x_y_sample_weight(data)
+
+
+def is_loss_scale_optimizer(optimizer) -> bool:
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def clip_gradients(optimizer, grads: Sequence):
+    """Applies the optimizer's `clipnorm`/`clipvalue`/`global_clipnorm` to `grads`.
+
+    Called on gradients that are already summed over replicas, so a global norm
+    is the norm of the whole gradient, as on a single device.
+    """
+    return optimizer._clip_gradients(list(grads))
+
+
+def inner_optimizer(optimizer):
+    """The optimizer whose update rule runs: a `LossScaleOptimizer`'s inner one, else itself."""
+    return optimizer.inner_optimizer if is_loss_scale_optimizer(optimizer) else optimizer
+
+
+def keras_accumulation_steps(optimizer):
+    """Keras's `Optimizer(gradient_accumulation_steps=k)` of the update optimizer, or `None`."""
+    return getattr(inner_optimizer(optimizer), "gradient_accumulation_steps", None) or None
+
+
+def iterations_variable(optimizer):
+    """The optimizer's raw iteration counter (Keras's `iterations` divides it under accumulation)."""
+    return optimizer._iterations
+
+
+def tf_variable(v):
+    """The TensorFlow variable behind a Keras variable (itself for a TensorFlow one)."""
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+def is_multi_optimizer(optimizer) -> bool:
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)  # Keras 3.13+
+    return multi is not None and isinstance(optimizer, multi)
+
+
+def multi_optimizer_groups(optimizer, variables: Sequence) -> list:
+    """`[(sub_optimizer, [indices into variables]), ...]`: which sub-optimizer updates which variable.
+
+    Keras's `MultiOptimizer.apply` routes by `_var_to_optimizer_idx[_var_key(v)]`.
+    """
+    groups: dict[int, list[int]] = {}
+    for i, v in enumerate(variables):
+        groups.setdefault(optimizer._var_to_optimizer_idx[optimizer._var_key(v)], []).append(i)
+    return [(optimizer._inner_optimizers[k], idx) for k, idx in sorted(groups.items())]
+
+
+def overwrites_with_gradient(optimizer, variable) -> bool:
+    """Keras's float8 rule: the variable takes its gradient as its value (no optimizer step)."""
+    return bool(optimizer._overwrite_variable_with_gradient(variable))
+
+
+def optimizer_name_scope(optimizer):
+    from keras.src import backend as keras_backend
+
+    return keras_backend.name_scope(optimizer.name, caller=optimizer)
+
+
+def advance_per_step_state(optimizer) -> None:
+    """State an optimizer advances once per step outside `update_step`.
+
+    Nadam advances its `u_product` in `Nadam._backend_update_step`, which
+    Keras reaches through the distributed merge_call that tfdist's update has
+    already replaced; without this, Nadam under a strategy divides by a
+    `u_product` stuck at 1 and trains to NaN.
+    """
+    from keras.src.optimizers.nadam import Nadam
+
+    if isinstance(optimizer, Nadam):
+        from keras.src import ops
+
+        dtype = optimizer._u_product.dtype
+        optimizer.assign(
+            optimizer._u_product,
+            optimizer._u_product
+            * optimizer.beta_1
+            * (1.0 - 0.5 * ops.power(0.96, ops.cast(optimizer.iterations + 1, dtype))),
+        )
+
+
+def weight_decay_rate(optimizer, variable, masked: bool = False):
+    """The decoupled weight-decay rate Keras applies to `variable`, or `None`.
+
+    Muon decays its Adam-updated variables at `adam_weight_decay`. With
+    `masked`, the exclusion rule is the caller's (a per-element mask).
+    """
+    from keras.src.optimizers.muon import Muon
+
+    if isinstance(optimizer, Muon):
+        if not optimizer._use_weight_decay(variable):
+            return None
+        if optimizer._should_use_adamw(variable):
+            return optimizer.adam_weight_decay
+        return optimizer.weight_decay
+    if optimizer.weight_decay is None:
+        return None
+    if masked or optimizer._use_weight_decay(variable):
+        return optimizer.weight_decay
+    return None
+
+
+def ema_averages(optimizer) -> list:
+    return list(optimizer._model_variables_moving_average)
+
+
+def optimizer_trainable_variables(optimizer) -> list:
+    """The variables the optimizer was built on (Keras's `_trainable_variables`)."""
+    return list(optimizer._trainable_variables)
+
+
+def fresh_keras_names():
+    """Auto-names Keras objects made inside as if they were the first of their kind.
+
+    `tfdist.estimator` calls a `model_fn` once per trace; every call builds new
+    Keras layers, which Keras names `dense`, `dense_1`, ... from a process-wide
+    counter. Inside this context the counter starts afresh, so the layers of
+    each call get the same names and their variables the same paths
+    (`dense/kernel`), which is what the runner keys reused variables on.
+    Keras keeps the counter in `keras.src.backend.common.global_state`
+    (per thread). Verified on Keras 3.5 to 3.15.
+    """
+    import collections
+    import contextlib
+
+    from keras.src.backend.common import global_state
+
+    @contextlib.contextmanager
+    def scope():
+        saved = global_state.get_global_attribute("object_name_uids")
+        global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
+        try:
+            yield
+        finally:
+            global_state.set_global_attribute("object_name_uids", saved)
+
+    return scope()
+
+
+def keras_name_scope_path() -> str:
+    """The Keras name-scope path a variable created now gets (`"dense"` in a Dense build).
+
+    Keras 3 computes `Variable.path` from the same private stack
+    (`keras.src.backend.common.name_scope.current_path`). Verified on Keras
+    3.5 to 3.15.
+    """
+    from keras.src.backend.common.name_scope import current_path
+
+    return current_path()
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Builds the model, its metrics and optimizer variables from one batch, as `fit` does."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def resume_epoch(model, initial_epoch: int) -> int:
+    """The epoch to start at: BackupAndRestore's restored epoch, else `initial_epoch`."""
+    return model._initial_epoch or initial_epoch
+
+
+def pythonify_logs(logs) -> dict:
+    from keras.src.utils.python_utils import pythonify_logs as pythonify
+
+    return pythonify(logs)
+
+
+def metrics_result_or_logs(model, logs) -> dict:
+    return model._get_metrics_result_or_logs(logs)
+
+
+def is_sharded(variable) -> bool:
+    """Whether a Keras (or TF) variable is a `ShardedVariable` from a variable partitioner."""
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    return isinstance(tf_variable(variable), ShardedVariable)
+
+
+def variable_parts(variable) -> list:
+    """The TensorFlow variables that hold a Keras variable: its shards, or itself."""
+    v = tf_variable(variable)
+    return list(v.variables) if is_sharded(v) else [v]
+
+
+def patch_variables_for_parameter_servers() -> None:
+    """Makes Keras variables held on ps tasks readable as arrays and safe to update concurrently.
+
+    Two upstream behaviours of Keras 3's TensorFlow `Variable` (idempotent;
+    other variables behave exactly as before):
+
+    * `numpy()` and `__array__` call the same methods of the wrapped
+      `tf.Variable`, which a `ShardedVariable` lacks ("'ShardedVariable' object
+      has no attribute '__array__'"), so `get_weights` and `model.save` fail
+      for a partitioned model. A sharded value is read by concatenating its
+      shards.
+    * `assign_add` is `assign(self + value)` (keras/src/backend/common/
+      variables.py): a read, then a write. Workers of a parameter-server job
+      update the same variables concurrently, so increments interleave and are
+      lost: the optimizer's iteration count ended at 176 instead of 188 after
+      4 epochs of 47 steps on 2 workers, and metric totals lose steps alike.
+      A variable on a ps task is incremented with TensorFlow's own
+      `assign_add`, one atomic op on the ps.
+    """
+    if "variable_numpy" in _originals:
+        return
+    from keras.src.backend.common.variables import in_stateless_scope
+    from keras.src.backend.tensorflow.core import Variable
+    from tensorflow.python.distribute.ps_values import CachingVariable
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    for name in ("numpy", "__array__", "assign_add", "assign_sub"):
+        _originals[f"variable_{name}"] = getattr(Variable, name)
+
+    def on_ps(variable) -> bool:
+        return isinstance(variable._value, (CachingVariable, ShardedVariable)) and not in_stateless_scope()
+
+    def numpy(self):
+        if is_sharded(self):
+            return tf.convert_to_tensor(self.value).numpy()
+        return _originals["variable_numpy"](self)
+
+    def __array__(self, dtype=None):
+        if is_sharded(self):
+            import numpy as np
+
+            return np.asarray(tf.convert_to_tensor(self.value).numpy(), dtype=dtype)
+        return _originals["variable___array__"](self, dtype)
+
+    def assign_add(self, value):
+        if on_ps(self):
+            return self._value.assign_add(tf.cast(value, self._value.dtype))
+        return _originals["variable_assign_add"](self, value)
+
+    def assign_sub(self, value):
+        if on_ps(self):
+            return self._value.assign_sub(tf.cast(value, self._value.dtype))
+        return _originals["variable_assign_sub"](self, value)
+
+    Variable.numpy = numpy
+    Variable.__array__ = __array__
+    Variable.assign_add = assign_add
+    Variable.assign_sub = assign_sub
+
+
+def holds_shards(source) -> bool:
+    """Whether `source` is a `ShardedVariable` or a Keras variable whose value is one.
+
+    Reads Keras's private `_value` rather than `value`: no initializer call, no
+    autocast, so asking never changes what the caller's tape or optimizer sees.
+    """
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    if isinstance(source, ShardedVariable):
+        return True
+    return isinstance(source, keras.Variable) and isinstance(getattr(source, "_value", None), ShardedVariable)
+
+
+_unscaled_losses: dict = {}
+
+
+def keras_losses_unscaled():
+    """Context in which Keras loss objects return the replica's mean loss, not 1/N of it.
+
+    Under a strategy with N replicas, Keras 3 divides every
+    `"sum_over_batch_size"` loss by N (`keras.src.losses.loss.
+    scale_loss_for_distribution`), for its own train step. A `model_fn`
+    returns the mean loss over its replica's batch however it computed it
+    (a Keras loss object or `tf.reduce_mean`), and the runner weights it by
+    the batch size itself; inside this context (per thread: MirroredStrategy
+    runs replicas in threads) Keras leaves the loss unscaled. The wrapper is
+    installed once and defers to Keras outside the context. Verified on Keras
+    3.5 to 3.15.
+    """
+    import contextlib
+    import threading
+
+    from keras.src.losses import loss as loss_module
+
+    if "state" not in _unscaled_losses:
+        state = threading.local()
+        original = loss_module.scale_loss_for_distribution
+
+        def scale_loss_for_distribution(value):
+            if getattr(state, "depth", 0):
+                return value
+            return original(value)
+
+        loss_module.scale_loss_for_distribution = scale_loss_for_distribution
+        _unscaled_losses["state"] = state
+    state = _unscaled_losses["state"]
+
+    @contextlib.contextmanager
+    def scope():
+        state.depth = getattr(state, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            state.depth -= 1
+
+    return scope()
+
+
+def build_optimizer(optimizer, variables: Sequence) -> None:
+    """Runs the optimizer class's own `build` (bypassing an instance hook)."""
+    type(optimizer).build(optimizer, list(variables))
+
+
+def class_trackable_children(optimizer, save_type, **kwargs) -> dict:
+    return type(optimizer)._trackable_children(optimizer, save_type, **kwargs)
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    return optimizer.weight_decay is not None and optimizer._use_weight_decay(variable)
+
+
+def slots_initialised_from_weights(optimizer) -> tuple[str, ...]:
+    """Slots an optimizer's `build` fills with a copy of the variable (not zeros)."""
+    if type(optimizer).__name__ == "ScheduleFreeAdamW":
+        return ("momentum",)
+    return ()
+
+
+def canonical_optimizer_layout(optimizer, flat_variable, num_variables: int) -> list:
+    """How `optimizer`'s state, built on `flat_variable`, maps to a single-device build.
+
+    A template copy of the optimizer (same class and config) is built on
+    `num_variables` one-element proxies; its `variables` list is the order a
+    single-device optimizer would save. Returns one entry per template
+    variable: `("slot", slot_name, variable_index)` for state created with
+    `add_variable_from_reference` (Adam's momentum of variable 3, ...), or
+    `("plain", variable)` for the optimizer's own state (iterations, learning
+    rate, Nadam's `u_product`), matched in order.
+    """
+    import re
+
+    import numpy as np
+
+    template = type(optimizer).from_config(optimizer.get_config())
+    proxies = [
+        keras.Variable(np.zeros((1,), "float32"), name=f"tfdistproxy{i}") for i in range(num_variables)
+    ]
+    type(template).build(template, proxies)
+    prefix = flat_variable.path.replace("/", "_") + "_"
+    slots, plain = {}, []
+    for v in optimizer.variables:
+        if v.name.startswith(prefix):
+            slots[v.name[len(prefix):]] = v
+        else:
+            plain.append(v)
+    entries = []
+    plain_iter = iter(plain)
+    pattern = re.compile(r"tfdistproxy(\d+)_(.+)$")
+    for tv in template.variables:
+        match = pattern.search(tv.name)
+        if match and match.group(2) in slots:
+            entries.append(("slot", match.group(2), int(match.group(1))))
+        else:
+            v = next(plain_iter, None)
+            if v is None or tuple(v.shape) != tuple(tv.shape):
+                raise NotImplementedError(
+                    f"{type(optimizer).__name__} keeps state the sharded optimizer cannot map to "
+                    f"its single-device layout (variable {tv.name!r}). Use mirrored, or an "
+                    "optimizer whose state is per element (SGD, Adam, AdamW, RMSprop, Adagrad, "
+                    "Nadam, Lion, ...)."
+                )
+            entries.append(("plain", v))
+    return entries, slots
+
+
+def advance_iterations(optimizer) -> None:
+    optimizer._iterations.assign_add(1)
+
+
+def ema_average(optimizer):
+    """The EMA slot of a sharded optimizer (built on one flat variable)."""
+    return optimizer._model_variables_moving_average[0]
+
+
+def all_layers(model) -> list:
+    """Every layer of `model`, nested ones included (Keras's private `_flatten_layers`)."""
+    return list(model._flatten_layers(include_self=False))
+
+
+def unpatch_variables_for_parameter_servers() -> None:
+    """Restores the Keras `Variable` methods `patch_variables_for_parameter_servers` replaced."""
+    if "variable_numpy" not in _originals:
+        return
+    from keras.src.backend.tensorflow.core import Variable
+
+    for name in ("numpy", "__array__", "assign_add", "assign_sub"):
+        setattr(Variable, name, _originals.pop(f"variable_{name}"))
+
+
+# ---------------------------------------------------------------------------
+# Where tfdist's integration hooks in (tfdist.keras_integration decides what
+# the hooks do; this module only knows Keras's private names for the places).
+# ---------------------------------------------------------------------------
+
+
+def trainer_base_class():
+    """Keras's backend-independent `Trainer` (whose `compile` tfdist wraps)."""
+    from keras.src.trainers.trainer import Trainer
+
+    return Trainer
+
+
+def replace_method(cls, name: str, wrapper) -> None:
+    """Sets `cls.<name>` to `wrapper(original)`, remembering the original for `restore_method`."""
+    key = (cls, name)
+    if key not in _replaced:
+        _replaced[key] = cls.__dict__.get(name, getattr(cls, name))
+    setattr(cls, name, wrapper(_replaced[key]))
+
+
+def restore_method(cls, name: str) -> None:
+    """Undoes `replace_method(cls, name, ...)`; no-op when it was not replaced."""
+    original = _replaced.pop((cls, name), None)
+    if original is not None:
+        setattr(cls, name, original)
+
+
+def replaced(cls, name: str) -> bool:
+    return (cls, name) in _replaced
+
+
+def replace_symbolic_build(wrapper) -> None:
+    """Wraps Keras's `TensorFlowTrainer._maybe_symbolic_build` (verified on Keras 3.5 to 3.15)."""
+    replace_method(trainer_class(), "_maybe_symbolic_build", wrapper)
+
+
+def restore_symbolic_build() -> None:
+    restore_method(trainer_class(), "_maybe_symbolic_build")
+
+
+def run_symbolic_build(model, data_batch) -> None:
+    """Keras's `_symbolic_build` on one batch (builds model, metrics and optimizer)."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def replace_default_dtype_policy(wrapper) -> None:
+    """Wraps `keras.src.dtype_policies.dtype_policy.dtype_policy`, which every layer reads at
+    construction (`dtype_policies.get(None)` and `DTypePolicy(None)` call it)."""
+    from keras.src.dtype_policies import dtype_policy as dtype_policy_module
+
+    if "dtype_policy" not in _originals:
+        _originals["dtype_policy"] = dtype_policy_module.dtype_policy
+    dtype_policy_module.dtype_policy = wrapper(_originals["dtype_policy"])
+
+
+def restore_default_dtype_policy() -> None:
+    from keras.src.dtype_policies import dtype_policy as dtype_policy_module
+
+    if "dtype_policy" in _originals:
+        dtype_policy_module.dtype_policy = _originals.pop("dtype_policy")
+
+
+def base_optimizer_class():
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    return BaseOptimizer
+
+
+def model_strategy(model):
+    """The strategy a model was built under (Keras's `_distribute_strategy`), or None."""
+    return getattr(model, "_distribute_strategy", None)
+
+
+def call_has_training_arg(model) -> bool:
+    return bool(model._call_has_training_arg)
+
+
+def assert_compile_called(model, method: str) -> None:
+    model._assert_compile_called(method)
+
+
+def should_eval(model, epoch: int, validation_freq) -> bool:
+    return bool(model._should_eval(epoch, validation_freq))
+
+
+def flatten_metrics_in_order(model, logs) -> dict:
+    return model._flatten_metrics_in_order(logs)
+
+
+def optimizer_known_variables_check(optimizer, variables) -> None:
+    """Keras's check that `variables` are those the optimizer was built on."""
+    optimizer._check_variables_are_known(variables)
+
+
+def filter_empty_gradients(optimizer, grads, variables):
+    return optimizer._filter_empty_gradients(grads, variables)
+
+
+def epoch_iterator_factory(epoch_iterator):
+    """The private `EpochIterator._get_iterator` (verified on Keras 3.15)."""
+    return epoch_iterator._get_iterator
+
+
+def set_epoch_iterator_factory(epoch_iterator, factory) -> None:
+    epoch_iterator._get_iterator = factory
+
+
+def redirect_backup_and_restore(callback, backup_dir: str) -> None:
+    """Points a `BackupAndRestore` at `backup_dir` after it restored (its private paths;
+    verified on Keras 3.5 to 3.15)."""
+    import os
+
+    callback.backup_dir = backup_dir
+    callback._weights_path = os.path.join(backup_dir, "latest.weights.h5")
+    callback._training_metadata_path = os.path.join(backup_dir, "training_metadata.json")
+    callback._prev_weights_path = f"{callback._weights_path}.bkp"
+    callback._prev_training_metadata_path = f"{callback._training_metadata_path}.bkp"
+
+
+# ---------------------------------------------------------------------------
+# Sharded optimizer (ZeRO stages 1 and 2): the user's optimizer, built on one
+# flat slice per replica, reading and writing a canonical unsharded state.
+# Verified on Keras 3.15 / TensorFlow 2.21.
+# ---------------------------------------------------------------------------
+
+_SHARDED_HOOKS = (
+    "apply",
+    "build",
+    "_clip_gradients",
+    "finalize_variable_values",
+    "save_own_variables",
+    "load_own_variables",
+    "_trackable_children",
+)
+
+
+def install_sharded_optimizer(optimizer, sharded) -> None:
+    """Routes `optimizer`'s apply, build, clipping, EMA finalisation and checkpointing to `sharded`.
+
+    `sharded` (a `tfdist.strategies.sharded_optimizer.ShardedState`) provides
+    one method per name in `_SHARDED_HOOKS`. They are set on the instance,
+    so the optimizer keeps its class (its config and `.keras` class name stay
+    Keras's) and optimizers outside the sharded strategy are untouched. Keras
+    calls `optimizer.build(model.trainable_variables)` from `fit`,
+    `compile_from_config` and `apply`; every such call now builds the slices.
+    `apply` (and `apply_gradients`, which calls it) from a custom `train_step`
+    or training loop runs the sharded update.
+    """
+    for name in _SHARDED_HOOKS:
+        object.__setattr__(optimizer, name, getattr(sharded, name))
+    object.__setattr__(optimizer, "_tfdist_sharded", sharded)
+
+
+def sharded_state(optimizer):
+    """The `ShardedState` installed on `optimizer`, or `None`."""
+    return optimizer.__dict__.get("_tfdist_sharded")
+
+
+def guard_load_weights(model, snapshot_fn, restore_fn) -> None:
+    """Makes `model.load_weights` all-or-nothing: on any error the model is restored, then it re-raises.
+
+    Keras loads layer by layer and raises the collected errors at the end, so
+    a checkpoint of another model, or of another optimizer, leaves some
+    variables overwritten. `snapshot_fn()` returns the state to keep (host
+    copies); `restore_fn(snapshot)` writes it back. Set on the instance.
+    """
+    original = model.load_weights
+
+    @functools.wraps(original)
+    def load_weights(*args, **kwargs):
+        snapshot = snapshot_fn()
+        try:
+            return original(*args, **kwargs)
+        except Exception:
+            restore_fn(snapshot)
+            raise
+
+    object.__setattr__(model, "load_weights", load_weights)

@@ -1,0 +1,352 @@
+"""TensorFlow private APIs, behind named functions: the only module that reaches into TensorFlow.
+
+Each function names the private API it uses and the TensorFlow versions it was
+verified on; workarounds name their upstream issue (or quote the upstream
+error) and have a test that fails without them. Imports no other tfdist module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import tensorflow as tf
+
+
+def configure_variable_creation(strategy, on_read_devices=None) -> None:
+    """Adjusts how `strategy` creates variables for Keras 3 layers and metrics.
+
+    Three upstream gaps, all fixed at variable creation so no step code changes:
+
+    1. Layer state is not kept in sync (no upstream fix as of Keras 3.15): Keras
+       3 creates non-trainable layer state such as BatchNormalization's moving
+       mean and variance with `aggregation="none"`. Under MirroredStrategy each
+       replica then keeps its own moving averages of its own share of the
+       batch, so the copies drift apart and a checkpoint holds replica 0's;
+       under CentralStorageStrategy the update fails outright ("You must
+       specify an aggregation method to update a AggregatingVariable in
+       Replica Context"). tf-keras created such state with MEAN aggregation;
+       tfdist does the same for non-trainable floating-point variables created
+       with aggregation NONE, so every replica holds the mean update.
+    2. With `on_read_devices` (CentralStorageStrategy), keras-team/keras#21054:
+       Keras 3 implements `Variable.assign_add` as `assign(self + value)`, and
+       CentralStorageStrategy wraps metric state in an `AggregatingVariable`
+       that SUMs what every replica assigns, so each update becomes
+       `N * old + sum(updates)` and metrics grow without bound (accuracy 0.137
+       where one device gives 0.122 on the bundled digits). Such ON_READ state
+       is instead created per compute device (a `SyncOnReadVariable`, as
+       MirroredStrategy does): local updates, summed when read.
+    3. With `on_read_devices` (CentralStorageStrategy): a model with `Dropout`
+       (or any layer drawing random numbers) fails in `fit` with the same "You
+       must specify an aggregation method to update a AggregatingVariable"
+       error (no upstream issue for CentralStorageStrategy that we know of).
+       Since the fix of keras-team/keras#20611 (Dropout failing under
+       MirroredStrategy in Keras 3.7; proposed in keras-team/keras#20612),
+       Keras creates `SeedGenerator`'s int64 state with `aggregation="none"`,
+       like `tf.random.Generator`: under MirroredStrategy each replica then
+       advances its own copy, identically; the single copy
+       CentralStorageStrategy keeps cannot be assigned from a replica without
+       an aggregation, and MEAN is refused for integers. Non-trainable,
+       non-floating state created with aggregation NONE (seed generators,
+       integer counters) gets ONLY_FIRST_REPLICA there: every replica reads
+       the same state, and replica 0's update is written once per step, so a
+       seed generator advances exactly as on one device and as each copy does
+       under MirroredStrategy (a replica-dependent update keeps replica 0's,
+       as a MirroredStrategy checkpoint does). MirroredStrategy keeps NONE:
+       its copies already advance together without a cross-device write.
+
+    Verified on TensorFlow 2.16 to 2.21 with Keras 3.5 to 3.15 (item 3 on
+    TensorFlow 2.21 with Keras 3.15).
+    """
+    from tensorflow.python.distribute import distribute_utils
+
+    extended = strategy.extended
+    original = extended._create_variable
+
+    def create_variable(next_creator, **kwargs):
+        synchronization = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
+        if on_read_devices and synchronization == tf.VariableSynchronization.ON_READ:
+            return _create_per_device(strategy, on_read_devices, next_creator, distribute_utils, **kwargs)
+        if (
+            not kwargs.get("trainable", True)
+            and synchronization != tf.VariableSynchronization.ON_READ
+            and kwargs.get("aggregation", tf.VariableAggregation.NONE) == tf.VariableAggregation.NONE
+        ):
+            aggregation = _state_aggregation(_creation_dtype(kwargs), single_copy=bool(on_read_devices))
+            if aggregation is not None:
+                kwargs["aggregation"] = aggregation
+        return original(next_creator, **kwargs)
+
+    extended._create_variable = create_variable
+
+
+def _creation_dtype(kwargs):
+    """The dtype of the variable `kwargs` create, or None when only the initializer knows it."""
+    dtype = kwargs.get("dtype")
+    if dtype is None and not callable(kwargs.get("initial_value")):
+        dtype = getattr(kwargs.get("initial_value"), "dtype", None)
+    return None if dtype is None else tf.as_dtype(dtype)
+
+
+def _state_aggregation(dtype, single_copy: bool):
+    """Aggregation for non-trainable state created with NONE, or None to keep NONE.
+
+    Floating-point state is averaged over replicas (BatchNorm's moving
+    statistics). Other state — integer seed-generator state, counters, or a
+    dtype not known at creation — only needs a replica-context write where
+    there is a single copy (`single_copy`, CentralStorageStrategy), where
+    replica 0's value is written (a seed generator's is every replica's).
+    """
+    if dtype is not None and dtype.is_floating:
+        return tf.VariableAggregation.MEAN
+    if single_copy:
+        return tf.VariableAggregation.ONLY_FIRST_REPLICA
+    return None
+
+
+def _create_per_device(strategy, devices, next_creator, distribute_utils, **kwargs):
+    kwargs.pop("colocate_with", None)
+
+    def per_device_creator(**kw):
+        values = []
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                if i > 0:
+                    kw["name"] = "{}/replica_{}/".format(values[0].name.split(":")[0], i)
+                values.append(next_creator(**kw))
+        return values
+
+    return distribute_utils.create_mirrored_variable(
+        strategy,
+        per_device_creator,
+        distribute_utils.VARIABLE_CLASS_MAPPING,
+        distribute_utils.VARIABLE_POLICY_MAPPING,
+        **kwargs,
+    )
+
+
+_next_collective_key_base = [0]
+
+
+def isolate_collective_keys(strategy) -> None:
+    """Gives `strategy` collective group keys no other strategy in the process uses.
+
+    Upstream (tensorflow/tensorflow#61314, #62790): every MirroredStrategy and
+    MultiWorkerMirroredStrategy starts its collective group keys at 1, so a
+    second strategy over a different device set in the same process (a
+    notebook, a test suite, a hyper-parameter loop) joins the first one's group
+    and fails with "Device ... is joining a group with size 4, but that group
+    has size 2". Call before the strategy's `__init__`; processes of one
+    multi-worker job create their strategies in the same order, so their keys
+    still agree. Verified on TensorFlow 2.16 to 2.21.
+    """
+    _next_collective_key_base[0] += 100_000
+    strategy._collective_key_base = _next_collective_key_base[0]
+
+
+def colocate_slots_with_shards(strategy) -> None:
+    """Makes optimizer slots of a partitioned variable partitioned alike, shard by shard.
+
+    Upstream: Keras 3's TensorFlow optimizer creates each slot inside
+    `strategy.extended.colocate_vars_with(variable)`; for a `ShardedVariable`,
+    ParameterServerStrategy does not partition the slot and colocates it with
+    nothing, so Adam's moments of a partitioned embedding land on the chief
+    ("/job:chief/.../CPU:0") and every step ships them across the network. Here
+    each slot of a sharded variable is itself a `ShardedVariable` whose shard i
+    lives with shard i of the variable. Verified on TensorFlow 2.16 to 2.21.
+    """
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    extended = strategy.extended
+    original = extended._create_variable
+
+    def create_variable(next_creator, **kwargs):
+        reference = kwargs.get("colocate_with")
+        if not isinstance(reference, ShardedVariable):
+            return original(next_creator, **kwargs)
+        initial = kwargs.pop("initial_value")
+        full = initial() if callable(initial) else initial
+        full = tf.convert_to_tensor(full, dtype=kwargs.get("dtype"))
+        name = kwargs.get("name")
+        parts, offset = [], 0
+        for i, shard in enumerate(reference.variables):
+            rows = int(shard.shape[0])
+            part_kwargs = dict(kwargs)
+            part_kwargs["colocate_with"] = shard
+            part_kwargs["initial_value"] = full[offset : offset + rows]
+            part_kwargs["shape"] = full[offset : offset + rows].shape
+            if name is not None:
+                part_kwargs["name"] = f"{name}/part_{i}"
+            parts.append(original(next_creator, **part_kwargs))
+            offset += rows
+        return ShardedVariable(parts)
+
+    extended._create_variable = create_variable
+
+
+# Collective ops stay outside XLA: each replica's XLA computation is a separate
+# launch on CPU, so they cannot be compiled into it.
+_NOT_XLA_OPS = frozenset(
+    {
+        "CollectiveReduce",
+        "CollectiveReduceV2",
+        "CollectiveReduceV3",
+        "CollectiveGather",
+        "CollectiveGatherV2",
+        "CollectiveBcastSend",
+        "CollectiveBcastRecv",
+        "CollectiveBcastSendV2",
+        "CollectiveBcastRecvV2",
+        "CollectiveAllToAllV2",
+        "CollectiveAllToAllV3",
+        "CollectiveReduceScatterV2",
+        "NcclAllReduce",
+        "Placeholder",
+    }
+)
+
+
+@contextlib.contextmanager
+def xla_compiled_ops(skip=None):
+    """Marks the ops created in the block for XLA compilation (no-op when eager).
+
+    `skip`: optional callable `(graph, index) -> bool`; the op at `index` in
+    `graph.get_operations()` stays unmarked when it returns True (a custom
+    `train_step`'s reduction and update, created inside the block).
+
+    Upstream (TF 2.21 / Keras 3.15): `model.compile(jit_compile=True)` under a
+    2-device MirroredStrategy fails with InvalidArgumentError, because Keras
+    wraps the whole train step — the optimizer's gradient all-reduce, a
+    `merge_call`, included — in `tf.function(jit_compile=True)`. tfdist sets
+    `_XlaCompile` on the ops of each replica's forward and backward pass
+    instead: what `tf.xla.experimental.jit_scope` does, but per op, because
+    MirroredStrategy's replica threads interleave at a collective (synchronized
+    BatchNorm) and would leak a graph-wide scope to each other. TensorFlow's
+    clustering pass then compiles the marked ops of each device with XLA
+    (`_XlaCompile`/`_XlaRun` in the executed graph) and leaves collectives, and
+    any op XLA has no kernel for, outside. Verified on TensorFlow 2.16 to 2.21.
+    """
+    if tf.executing_eagerly():
+        yield
+        return
+    from tensorflow.core.framework import attr_value_pb2
+
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_operations())
+    try:
+        yield
+    finally:
+        for index, op in enumerate(graph.get_operations()[before:], start=before):
+            if op.type in _NOT_XLA_OPS or (skip is not None and skip(graph, index)):
+                continue
+            op._set_attr("_XlaCompile", attr_value_pb2.AttrValue(b=True))
+            op._set_attr("_XlaScope", attr_value_pb2.AttrValue(s=b"tfdist_replica_step"))
+
+
+def distribute_dataset(strategy, dataset, options, distribute):
+    """`distribute(dataset, options)`, working around a TensorFlow bug for central storage.
+
+    Upstream (TensorFlow 2.4 to 2.21, no issue filed that we know of):
+    `CentralStorageStrategy.experimental_distribute_dataset` reads
+    `options.experimental_replication_moden` (a typo) whenever `options` is
+    given, so any `tf.distribute.InputOptions` fail with `AttributeError`. Its
+    override only rejects `InputReplicationMode.PER_REPLICA`; this does the
+    same check and calls the base `Strategy.experimental_distribute_dataset`.
+    Verified on TensorFlow 2.21.
+
+    Args:
+        strategy: the strategy distributing the dataset.
+        dataset: the `tf.data.Dataset`.
+        options: `tf.distribute.InputOptions` or `None`.
+        distribute: the strategy's own `experimental_distribute_dataset`.
+    """
+    central = tf.distribute.experimental.CentralStorageStrategy
+    if options is None or not isinstance(strategy, central):
+        return distribute(dataset, options)
+    if options.experimental_replication_mode == tf.distribute.InputReplicationMode.PER_REPLICA:
+        raise NotImplementedError(
+            "InputReplicationMode.PER_REPLICA is only supported in "
+            "`distribute_datasets_from_function`."
+        )
+    return tf.distribute.Strategy.experimental_distribute_dataset(strategy, dataset, options)
+
+
+def update_replica_id():
+    """Inside `strategy.extended.update`'s function: the replica being updated (a Python int)."""
+    from tensorflow.python.distribute import distribute_lib
+
+    return distribute_lib.get_update_replica_id()
+
+
+def trackable_list(items: Sequence):
+    """A list TensorFlow checkpoints as a trackable list, as Keras's own lists are."""
+    from tensorflow.python.trackable import data_structures
+
+    return data_structures.ListWrapper(list(items))
+
+
+def canonical_checkpoint_value(read_fn, write_fn, shape):
+    """A trackable that checkpoints as a plain variable of `shape`, read and written by callables.
+
+    `tf.train.Checkpoint` saves it under `.ATTRIBUTES/VARIABLE_VALUE`, the key
+    a `tf.Variable` uses, so a sharded optimizer's checkpoint has the keys
+    and shapes of a single-device one and either restores the other.
+    """
+    from tensorflow.python.trackable import base as trackable_base
+
+    class CanonicalValue(trackable_base.Trackable):
+        def _serialize_to_tensors(self):
+            return {trackable_base.VARIABLE_VALUE_KEY: read_fn()}
+
+        def _restore_from_tensors(self, restored_tensors):
+            value = restored_tensors[trackable_base.VARIABLE_VALUE_KEY]
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(
+                    f"Checkpointed optimizer state has shape {tuple(value.shape)}; this model's "
+                    f"needs {tuple(shape)}. The checkpoint belongs to a different model."
+                )
+            return write_fn(value)
+
+    return CanonicalValue()
+
+
+def refuse_tf_keras_variables(strategy, message: str) -> None:
+    """Makes `strategy` raise `NotImplementedError(message)` when tf-keras creates a variable in its scope.
+
+    tf-keras drives `tf.distribute` strategies itself and would silently
+    train as plain mirrored replicas, ignoring the strategy's own step.
+    """
+    import sys
+
+    original = strategy.extended._create_variable
+
+    def create_variable(next_creator, **kwargs):
+        frame = sys._getframe(1)
+        for _ in range(40):
+            if frame is None:
+                break
+            if frame.f_globals.get("__name__", "").startswith("tf_keras."):
+                raise NotImplementedError(message)
+            frame = frame.f_back
+        return original(next_creator, **kwargs)
+
+    strategy.extended._create_variable = create_variable
+
+
+def replica_id_in_sync_group(strategy, local_replica: int) -> int:
+    """The job-wide replica id of this worker's `local_replica`-th device.
+
+    `distribute_lib.get_update_replica_id()` (and the order of
+    `experimental_local_results`) count this worker's replicas only;
+    `replica_id_in_sync_group` counts every replica of every worker
+    (`worker index * local replicas + local id` under
+    MultiWorkerMirroredStrategy, the local id under MirroredStrategy). The
+    mapping is TensorFlow's private `_get_replica_id_in_sync_group`, verified
+    on TensorFlow 2.21.
+    """
+    return int(strategy.extended._get_replica_id_in_sync_group(local_replica))
+
+
+def dataset_graph_def(dataset) -> bytes:
+    """The serialized `GraphDef` of a `tf.data.Dataset` (its private `_as_serialized_graph`)."""
+    return dataset._as_serialized_graph().numpy()
