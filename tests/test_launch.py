@@ -50,8 +50,12 @@ def alive(pid: int) -> bool:
 def test_each_process_gets_its_tf_config_and_prefixed_output(tmp_path, capsys):
     command = script(tmp_path, """
         print("hello from", role)
-        with open(os.path.join(out, role + ".json"), "w") as f:
+        with open(os.path.join(out, role + ".tmp"), "w") as f:
             json.dump({"config": config, "devices": os.environ.get("TFDIST_LOCAL_DEVICES")}, f)
+        os.rename(os.path.join(out, role + ".tmp"), os.path.join(out, role + ".json"))
+        # The evaluator is stopped when the job ends: the chief waits for it to have written.
+        while role == "chief:0" and not os.path.exists(os.path.join(out, "evaluator:0.json")):
+            time.sleep(0.01)
     """)
     assert run_job(command, workers=2, chief=True, evaluator=True, env={"TFDIST_LOCAL_DEVICES": "3"}) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -96,6 +100,8 @@ def test_failure_stops_the_others_and_reports_the_last_lines(tmp_path, capsys):
     assert captured.err == (
         f"tfdist launch: worker:1 exited with status 3; stopping the job. Its last lines:\n{expected_tail}\n"
         "tfdist launch: the job failed 1 time(s); giving up.\n"
+        "tfdist launch: summary: worker:0  stopped by the launcher  restarts 0\n"
+        "tfdist launch: summary: worker:1  exited with status 3     restarts 0  last error: step 29\n"
     )
     grandchild = int((tmp_path / "grandchild.pid").read_text())
     assert not alive(grandchild)
@@ -131,12 +137,14 @@ def test_status_is_the_chiefs_and_servers_are_stopped(tmp_path, capsys):
     assert sorted(capsys.readouterr().out.splitlines()) == ["[chief:0] trained", "[worker:0] trained"]
 
 
-def test_restarts_run_the_whole_job_again(tmp_path, capsys):
+def test_restarts_run_the_whole_job_again(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(launch, "BACKOFF_START_S", 0.01)
     command = script(tmp_path, """
         open(os.path.join(out, f"{attempt}-{role}"), "w").close()
         if attempt < 2 and role == "worker:1":
             while not os.path.exists(os.path.join(out, f"{attempt}-worker:0")):
                 time.sleep(0.01)
+            print(f"failing in attempt {attempt}")  # not the same failure twice: no early stop
             sys.exit(7)
         if attempt < 2:
             time.sleep(60)
@@ -146,17 +154,25 @@ def test_restarts_run_the_whole_job_again(tmp_path, capsys):
     assert runs == ["0-worker:0", "0-worker:1", "1-worker:0", "1-worker:1", "2-worker:0", "2-worker:1"]
     err = capsys.readouterr().err
     assert err.count("worker:1 exited with status 7") == 2
-    assert "tfdist launch: restarting the job (restart 1 of 3).\n" in err
-    assert "tfdist launch: restarting the job (restart 2 of 3).\n" in err
+    assert "tfdist launch: restarting the job (restart 1 of 3) in 0.01 s.\n" in err
+    assert "tfdist launch: restarting the job (restart 2 of 3) in 0.02 s.\n" in err
     assert "restart 3 of 3" not in err
+    assert err.endswith(
+        "tfdist launch: summary: worker:0  exited with status 0  restarts 2\n"
+        "tfdist launch: summary: worker:1  exited with status 0  restarts 2  last error: failing in attempt 1\n"
+    )
 
 
-def test_restarts_give_up_after_k_and_return_the_failure(tmp_path, capsys):
+def test_restarts_give_up_after_k_and_return_the_failure(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(launch, "BACKOFF_START_S", 0.01)
     command = script(tmp_path, "sys.exit(5)\n")
     assert run_job(command, workers=1, restarts=1) == 5
     err = capsys.readouterr().err
     assert err.count("worker:0 exited with status 5") == 2
-    assert err.endswith("tfdist launch: the job failed 2 time(s); giving up.\n")
+    assert err.endswith(
+        "tfdist launch: the job failed 2 time(s); giving up.\n"
+        "tfdist launch: summary: worker:0  exited with status 5  restarts 1\n"
+    )
 
 
 def test_timeout_stops_everything(tmp_path, capsys):
@@ -164,6 +180,8 @@ def test_timeout_stops_everything(tmp_path, capsys):
     assert run_job(command, workers=2, timeout=1.0) == 124
     assert capsys.readouterr().err == (
         "tfdist launch: the job did not finish within the timeout; stopped all 2 processes.\n"
+        "tfdist launch: summary: worker:0  stopped by the launcher  restarts 0\n"
+        "tfdist launch: summary: worker:1  stopped by the launcher  restarts 0\n"
     )
 
 
@@ -256,7 +274,8 @@ def test_chief_led_synchronous_workers_may_finish_after_the_chief(tmp_path, caps
     assert sorted(capsys.readouterr().out.splitlines()) == ["[chief:0] done", "[worker:0] done"]
 
 
-def test_with_parameter_servers_a_failed_worker_restarts_in_place(tmp_path, capsys):
+def test_with_parameter_servers_a_failed_worker_restarts_in_place(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(launch, "BACKOFF_START_S", 0.01)
     # Under the parameter-server strategy the chief's coordinator reschedules a
     # dead worker's steps; the launcher brings the worker back at the same
     # address so it rejoins. The chief finishes only once the restarted
@@ -279,12 +298,16 @@ def test_with_parameter_servers_a_failed_worker_restarts_in_place(tmp_path, caps
     # Same cluster, same address: the restarted worker rejoins the running job.
     assert (tmp_path / "worker:1-0").read_text() == (tmp_path / "worker:1-1").read_text()
     captured = capsys.readouterr()
-    assert "tfdist launch: worker:1 exited with status 9; restarting it in place (restart 1 of 2 for this worker).\n" in captured.err
+    assert ("tfdist launch: worker:1 exited with status 9; restarting it in place in 0.01 s "
+            "(restart 1 of 2 for this worker).\n") in captured.err
+    assert "tfdist launch: summary: worker:1  exited with status 0" not in captured.err  # it serves until stopped
+    assert "tfdist launch: summary: worker:1  stopped by the launcher  restarts 1\n" in captured.err
     assert "restarting the job" not in captured.err
     assert "[chief:0] chief done" in captured.out
 
 
-def test_with_parameter_servers_a_worker_that_keeps_failing_fails_the_job(tmp_path, capsys):
+def test_with_parameter_servers_a_worker_that_keeps_failing_fails_the_job(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(launch, "BACKOFF_START_S", 0.01)
     command = script(tmp_path, """
         if role == "worker:0":
             sys.exit(4)
@@ -292,5 +315,5 @@ def test_with_parameter_servers_a_worker_that_keeps_failing_fails_the_job(tmp_pa
     """)
     assert run_job(command, workers=1, chief=True, ps=1, restarts=1, timeout=60) == 4
     err = capsys.readouterr().err
-    assert "worker:0 exited with status 4; restarting it in place (restart 1 of 1 for this worker)." in err
+    assert "worker:0 exited with status 4; restarting it in place in 0.01 s (restart 1 of 1 for this worker)." in err
     assert "worker:0 exited with status 4; stopping the job." in err

@@ -146,6 +146,29 @@ def test_private_attributes_are_read_only_in_compat():
     assert found == []
 
 
+def test_private_attributes_are_not_read_by_name_outside_compat():
+    # getattr/hasattr/setattr/delattr(obj, "_private") is the same reach-in, spelled as a string.
+    found = []
+    for name, path in MODULES.items():
+        if name.startswith("tfdist._compat"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id not in ("getattr", "hasattr", "setattr", "delattr") or len(node.args) < 2:
+                continue
+            target, attr = node.args[0], node.args[1]
+            if not (isinstance(attr, ast.Constant) and isinstance(attr.value, str)):
+                continue
+            text = attr.value
+            if not text.startswith("_") or text.startswith("__") or text.startswith("_tfdist"):
+                continue
+            if isinstance(target, ast.Name) and target.id in ("self", "cls"):
+                continue
+            found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {node.func.id}(..., {text!r})")
+    assert found == []
+
+
 def test_compat_imports_no_other_tfdist_module():
     outside = [
         f"{name} imports {target}"

@@ -85,14 +85,33 @@ SUBCOMMANDS["launch"] = (
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="tfdist", description="Distribution strategies for Keras 3 and TensorFlow.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parsers = {}
     for name, (add_arguments, _, help_text) in sorted(SUBCOMMANDS.items()):
-        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(parsers[name])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `tfdist launch [flags] -- command`: the flags are parsed strictly, the
+    # command after `--` not at all (it has flags of its own).
+    command = None
+    if argv[:1] == ["launch"] and "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1:]
     args, rest = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    if rest and args.command != "launch":
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command != "launch":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    elif command is not None:
+        if rest:
+            parsers["launch"].error(f"unrecognized arguments: {' '.join(rest)}")
+        rest = command
+    elif rest and rest[0].startswith("-"):
+        parsers["launch"].error(
+            f"unrecognized arguments: {' '.join(rest)}. Put the command after --, e.g. "
+            "tfdist launch --workers 2 -- python train.py"
+        )
     args.rest = rest
     return SUBCOMMANDS[args.command][1](args)
 

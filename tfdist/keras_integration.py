@@ -87,9 +87,7 @@ def _patched_compile(original):
 
             validate_compiled_model(self)
             # A strategy that shapes the optimizer (the sharded optimizer) does so here.
-            on_compile = getattr(self.distribute_strategy, "on_compile", None)
-            if on_compile is not None:
-                on_compile(self)
+            self.distribute_strategy.on_compile(self)
             apply_sink_size(self)
         return result
 
@@ -374,7 +372,7 @@ def redirect_non_chief_writes_in_fit() -> None:
 
 def _is_parameter_server_model(model) -> bool:
     strategy = kc.model_strategy(model)
-    return is_tfdist_strategy(strategy) and strategy.gradient_path == "parameter_server"
+    return is_tfdist_strategy(strategy) and strategy.asynchronous
 
 
 def _patched_ps(original, method: str):

@@ -2,9 +2,12 @@
 
 The same training script a cluster manager would start on many machines is
 started here once per task, each process with its own TF_CONFIG on free
-127.0.0.1 ports, its output prefixed with its role (`[worker:1] ...`), in its
-own process group so that the whole job can be stopped on every exit path:
-success, failure of any process, timeout, Ctrl-C or SIGTERM.
+127.0.0.1 ports and its output prefixed with its role (`[worker:1] ...`). The
+launcher owns its processes: each runs in its own process group, stopped as a
+whole on every exit path (success, failure of any process, timeout, SIGINT,
+SIGTERM, SIGHUP), and on Linux each also gets SIGTERM from the kernel if the
+launcher dies without stopping it (SIGKILL included), so no job outlives its
+launcher.
 
 The job's status is the chief's (with `chief=True`) or else the workers':
 when they have all finished, parameter servers and the evaluator, which serve
@@ -13,7 +16,21 @@ fails, the others are stopped, the failed one and its last lines are printed,
 and with `restarts=K` the whole job is started again (fresh ports; the
 environment variable `TFDIST_RESTART_COUNT` tells the script which attempt it
 is), so a script with `keras.callbacks.BackupAndRestore` resumes where it
-stopped.
+stopped. Restarts wait 1 s, doubling up to 30 s while failures come quickly,
+and stop early when a restart failed exactly as the attempt before it (same
+task, status and last error line) within `PROGRESS_S` of its start: another
+would fail the same way. At the end one line per task gives how it ended, its
+restarts and its last error line.
+
+Output: progress bars that a task redraws in place reach the terminal only
+from the chief (`all_progress=True` shows every task's), each as its final
+state once per line; TensorFlow's start-up messages (C++ INFO logs, the CUDA
+probe on a host without a GPU, ...) are dropped unless `tf_logs=True`.
+
+Each task's TMPDIR is a fresh directory the launcher removes when the task
+ends (and so on every restart): what a script or TensorFlow leaves in the
+temporary directory (a non-chief's checkpoint copies, autograph files) goes
+with it. What a SIGKILLed launcher leaves there, the next launch removes.
 
 The launcher itself uses no TensorFlow; only the processes it starts do.
 """
@@ -24,13 +41,16 @@ import collections
 import dataclasses
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 # Lines of each process kept for the failure report.
 TAIL_LINES = 20
@@ -39,10 +59,21 @@ STOP_GRACE_S = 5.0
 # Seconds the workers of a chief-led job without parameter servers get to
 # finish on their own once the chief has (they end a moment later).
 FINISH_GRACE_S = 10.0
+# Restarts wait BACKOFF_START_S after a failure, doubling with each further
+# failure that came within PROGRESS_S of its start, at most BACKOFF_MAX_S.
+BACKOFF_START_S = 1.0
+BACKOFF_MAX_S = 30.0
+# A run that fails sooner than this after its start made no progress: if it
+# failed exactly as the run before it, restarting it again is not tried.
+PROGRESS_S = 60.0
 _POLL_S = 0.05
 
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
+EXIT_CANNOT_RUN = 126
+EXIT_NOT_FOUND = 127
+
+_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
 class _Interrupted(Exception):
@@ -51,19 +82,111 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
-@dataclasses.dataclass
+class _CannotStart(Exception):
+    def __init__(self, command: Sequence[str], error: OSError):
+        super().__init__(f"cannot start {command[0]!r}: {error.strerror or error}")
+        self.status = EXIT_NOT_FOUND if isinstance(error, FileNotFoundError) else EXIT_CANNOT_RUN
+
+
+# ---------------------------------------------------------------------------
+# Output: prefixes, progress bars, TensorFlow's start-up noise.
+# ---------------------------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# Keras's epoch header; its bars are told by their redraws (\r, \b).
+_EPOCH_HEADER = re.compile(r"^Epoch \d+/\d+$")
+# TensorFlow's C++ log lines: `I0000 00:00:1712345678.123456   1234 port.cc:153] ...`.
+_CPP_LOG = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ [\w.-]+\.(?:cc|h|cpp):\d+\] ")
+# Start-up lines every TensorFlow process prints, none of them about the job.
+_TF_NOISE = re.compile(
+    r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$"
+    r"|^To enable the following instructions: .* rebuild TensorFlow with the appropriate compiler flags\.$"
+)
+# W/E-level C++ lines that only say a host has no GPU or that a plugin registered twice.
+_TF_NOISE_WE = re.compile(
+    r"failed call to cuInit|Unable to register cu(DNN|FFT|BLAS) factory|already been registered"
+    r"|computation placer already registered|TF-TRT Warning: Could not find TensorRT"
+    r"|kernel driver does not appear to be running|retrieving CUDA diagnostic information"
+    r"|cuda_diagnostics\.cc|Could not find cuda drivers"
+)
+# What peers print when the job has finished and its servers go away.
+_SHUTDOWN_NOISE = re.compile(
+    r"UNAVAILABLE|CANCELLED|StartAbort|preempted|Socket closed|Connection reset|failed to connect"
+)
+# A line that reports an error, for the summary's "last error".
+_ERROR_LINE = re.compile(r"Error\b|Exception\b|^Traceback|^[EF]\d{4} |FATAL|Fatal|Killed|Aborted|error:")
+
+
+def _final_render(text: str) -> tuple[str, bool]:
+    """The line a terminal would show for `text` (redraws applied), and whether it redrew."""
+    if "\r" not in text and "\b" not in text:
+        return text, False
+    segments = [s for s in text.split("\r") if s.strip("\b \t")]
+    shown: list[str] = []
+    for ch in segments[-1] if segments else "":
+        if ch == "\b":
+            if shown:
+                shown.pop()
+        else:
+            shown.append(ch)
+    return "".join(shown).rstrip(), True
+
+
+def _is_tf_noise(line: str, chief_done: bool) -> bool:
+    if _TF_NOISE.match(line):
+        return True
+    level = _CPP_LOG.match(line)
+    if level is None:
+        return False
+    if level.group(1) == "I":
+        return True
+    return bool(_TF_NOISE_WE.search(line)) or (chief_done and bool(_SHUTDOWN_NOISE.search(line)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _OutputOptions:
+    all_progress: bool = False
+    tf_logs: bool = False
+
+
+# ---------------------------------------------------------------------------
+# Processes.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
 class _Task:
     job: str
     index: int
     process: subprocess.Popen
     tail: collections.deque
     reader: threading.Thread
+    started: float
+    tmpdir: str
     stopped_by_us: bool = False
     finalized: bool = False
 
     @property
     def label(self) -> str:
         return f"{self.job}:{self.index}"
+
+    def last_error(self) -> Optional[str]:
+        """The last line that reports an error, else (for a failed run) its last line."""
+        lines = [line.strip() for line in list(self.tail) if line.strip()]
+        for line in reversed(lines):
+            if _ERROR_LINE.search(line):
+                return line
+        return lines[-1] if lines else None
+
+
+@dataclasses.dataclass
+class _Record:
+    """What the end-of-job summary says of one task."""
+
+    label: str
+    runs: int = 0
+    ended: str = "did not start"
+    last_error: Optional[str] = None
 
 
 def free_ports(n: int) -> list[int]:
@@ -112,33 +235,255 @@ def _say(message: str) -> None:
 _print_lock = threading.Lock()
 
 
-def _pump(stream, prefix: str, tail: collections.deque) -> None:
+def _pump(stream, task: _Task, is_chief: bool, options: _OutputOptions, chief_done: threading.Event) -> None:
+    prefix = f"[{task.label}]"
+    show_progress = is_chief or options.all_progress
     for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", errors="replace").rstrip("\n")
-        tail.append(line)
+        line, redrawn = _final_render(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+        if not options.tf_logs and _is_tf_noise(line, chief_done.is_set()):
+            continue
+        task.tail.append(line)
+        if not show_progress and (redrawn or _EPOCH_HEADER.match(_ANSI.sub("", line))):
+            continue
         with _print_lock:
             sys.stdout.write(f"{prefix} {line}\n")
             sys.stdout.flush()
     stream.close()
+    # Once the chief has succeeded, its peers' complaints that it went away
+    # (gRPC UNAVAILABLE, StartAbort, ...) are the end of the job, not errors.
+    if is_chief and task.process.wait() == 0:
+        chief_done.set()
 
 
-def _start(command, job, index, cluster, base_env, attempt) -> _Task:
-    env = dict(base_env)
-    env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
-    env["TFDIST_RESTART_COUNT"] = str(attempt)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    process = subprocess.Popen(
-        list(command),
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: stopped as a whole
-    )
-    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
-    reader = threading.Thread(target=_pump, args=(process.stdout, f"[{job}:{index}]", tail), daemon=True)
-    reader.start()
-    return _Task(job, index, process, tail, reader)
+def _die_with_launcher() -> Optional[Callable[[], None]]:
+    """A `preexec_fn` that has the kernel send SIGTERM to the child when the launcher dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+    launcher = os.getpid()
+
+    def preexec() -> None:
+        # Resolved before the fork: the child only makes the call.
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before the call
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+_TMP_PREFIX = "tfdist_launch_"
+
+
+def _remove_left_by_killed_launchers(parent: str) -> None:
+    """Removes the temporary directories of launchers that no longer run (killed before cleaning up)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_TMP_PREFIX):].split("_", 1)[0]
+        if not name.startswith(_TMP_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        except OSError:
+            pass  # running, as another user
+
+
+class _Job:
+    """One `run_job` call: how to start, watch and stop its tasks, and what they did."""
+
+    def __init__(self, command, workers, chief, ps, evaluator, restarts, base_env, deadline, options):
+        self.command = list(command)
+        self.workers, self.chief, self.ps, self.evaluator = workers, chief, ps, evaluator
+        self.restarts = restarts
+        self.base_env = base_env
+        self.deadline = deadline
+        self.options = options
+        self.records: dict[str, _Record] = {}
+        self.preexec = _die_with_launcher()
+        self.chief_done = threading.Event()
+        self.display_chief = "chief:0" if chief else "worker:0"
+        parent = base_env.get("TMPDIR")
+        parent = parent if parent and os.path.isdir(parent) else tempfile.gettempdir()
+        _remove_left_by_killed_launchers(parent)
+        self.tmp_root = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}_", dir=parent)
+
+    # -- one process --------------------------------------------------------
+
+    def start(self, job: str, index: int, cluster: dict, attempt: int) -> _Task:
+        label = f"{job}:{index}"
+        record = self.records.setdefault(label, _Record(label))
+        record.runs += 1
+        tmpdir = os.path.join(self.tmp_root, f"{job}{index}-{record.runs}")
+        os.makedirs(tmpdir, exist_ok=True)
+        env = dict(self.base_env)
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+        env["TFDIST_RESTART_COUNT"] = str(attempt)
+        env["TMPDIR"] = tmpdir
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        try:
+            process = subprocess.Popen(
+                self.command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stopped as a whole
+                preexec_fn=self.preexec,
+            )
+        except OSError as e:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            record.runs -= 1
+            raise _CannotStart(self.command, e) from None
+        tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+        task = _Task(job, index, process, tail, None, time.monotonic(), tmpdir)  # type: ignore[arg-type]
+        task.reader = threading.Thread(
+            target=_pump, args=(process.stdout, task, label == self.display_chief, self.options, self.chief_done),
+            daemon=True,
+        )
+        task.reader.start()
+        return task
+
+    def finalize(self, task: _Task) -> None:
+        """Once `task` has exited: stops what it left in its group, records how it ended, removes its TMPDIR."""
+        if task.finalized:
+            return
+        # Once finalized, the group id is never signalled again (the pid may be reused).
+        _signal_group(task, signal.SIGKILL)
+        task.reader.join(timeout=2.0)
+        code = task.process.returncode
+        record = self.records[task.label]
+        if task.stopped_by_us and code != 0:
+            record.ended = "stopped by the launcher"
+        else:
+            record.ended = _describe_exit(code)
+            if code != 0:
+                record.last_error = task.last_error()
+        shutil.rmtree(task.tmpdir, ignore_errors=True)
+        task.finalized = True
+
+    def stop(self, tasks: Sequence[_Task]) -> None:
+        """SIGTERM to every process group still running, SIGKILL after the grace period."""
+        running = [t for t in tasks if t.process.poll() is None]
+        for t in running:
+            t.stopped_by_us = True
+            _signal_group(t, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for t in running:
+            try:
+                t.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for t in tasks:
+            if not t.finalized:
+                _signal_group(t, signal.SIGKILL)
+                t.process.wait()
+                self.finalize(t)
+
+    # -- one attempt --------------------------------------------------------
+
+    def run_once(self, attempt: int) -> tuple[int, Optional[tuple], float]:
+        """Runs the job once: (status, failure signature or None if a restart cannot help, seconds run)."""
+        cluster = local_cluster(self.workers, self.chief, self.ps)
+        roles = [(job, i) for job, addrs in cluster.items() for i in range(len(addrs))]
+        if self.evaluator:
+            roles.append(("evaluator", 0))
+        tasks: list[_Task] = []
+        self.chief_done.clear()
+        begun = time.monotonic()
+        # With parameter servers, workers are stateless servers the chief's
+        # coordinator reschedules around: a failed one is restarted in place
+        # (same address, so it rejoins the cluster) up to `restarts` times.
+        in_place_left = {i: self.restarts for i in range(self.workers)} if self.ps else {}
+        pending: dict[int, tuple[float, int]] = {}  # position -> (when, restart number)
+        last_failure: dict[int, tuple] = {}
+        quick_failures: dict[int, int] = {}
+        try:
+            for job, index in roles:
+                tasks.append(self.start(job, index, cluster, attempt))
+            deciding = [t for t in tasks if t.job == "chief"] or [t for t in tasks if t.job == "worker"]
+            while True:
+                now = time.monotonic()
+                for position, (when, used) in list(pending.items()):
+                    if now >= when:
+                        del pending[position]
+                        old = tasks[position]
+                        tasks[position] = self.start(old.job, old.index, cluster, used)
+                for position, t in enumerate(tasks):
+                    code = t.process.poll()
+                    if code is None or code == 0 or t.stopped_by_us or position in pending:
+                        continue
+                    self.finalize(t)
+                    signature = (t.label, code, t.last_error())
+                    quick = time.monotonic() - t.started < PROGRESS_S
+                    if t.job == "worker" and in_place_left.get(t.index, 0) > 0 and t not in deciding:
+                        if quick and last_failure.get(position) == signature:
+                            self.stop(tasks)
+                            _report_failure(t)
+                            _say(_same_failure(signature, "not restarting it again"))
+                            return _exit_status(code), None, time.monotonic() - begun
+                        last_failure[position] = signature
+                        quick_failures[position] = quick_failures.get(position, 0) + 1 if quick else 0
+                        in_place_left[t.index] -= 1
+                        used = self.restarts - in_place_left[t.index]
+                        wait = _backoff(quick_failures[position])
+                        _say(f"{t.label} {_describe_exit(code)}; restarting it in place in {wait:g} s "
+                             f"(restart {used} of {self.restarts} for this worker).")
+                        pending[position] = (time.monotonic() + wait, used)
+                        continue
+                    self.stop(tasks)
+                    _report_failure(t)
+                    return _exit_status(code), signature, time.monotonic() - begun
+                if all(t.process.poll() == 0 for t in deciding):
+                    # Synchronous workers of a chief-led job end a moment after the
+                    # chief; with parameter servers, workers serve until stopped.
+                    others = [t for t in tasks if t not in deciding and t.job == "worker" and not self.ps]
+                    grace = time.monotonic() + FINISH_GRACE_S
+                    while any(t.process.poll() is None for t in others) and time.monotonic() < grace:
+                        if self.deadline is not None and time.monotonic() > self.deadline:
+                            return self._timed_out(tasks), None, time.monotonic() - begun
+                        time.sleep(_POLL_S)
+                    failed = [t for t in others if t.process.poll() not in (None, 0)]
+                    self.stop(tasks)
+                    for t in failed:
+                        _report_failure(t)
+                    if not failed:
+                        return 0, None, time.monotonic() - begun
+                    code = failed[0].process.returncode
+                    return _exit_status(code), (failed[0].label, code, failed[0].last_error()), time.monotonic() - begun
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    return self._timed_out(tasks), None, time.monotonic() - begun
+                time.sleep(_POLL_S)
+        finally:
+            self.stop(tasks)
+
+    def _timed_out(self, tasks: Sequence[_Task]) -> int:
+        self.stop(tasks)
+        _say(f"the job did not finish within the timeout; stopped all {len(tasks)} processes.")
+        return EXIT_TIMEOUT
+
+    def summary(self) -> None:
+        """One line per task: how its last run ended, its restarts, its last error line."""
+        if not self.records:
+            return
+        records = list(self.records.values())
+        width = max(len(r.label) for r in records)
+        ended = max(len(r.ended) for r in records)
+        for r in records:
+            restarts = max(r.runs - 1, 0)
+            line = f"summary: {r.label:<{width}}  {r.ended:<{ended}}  restarts {restarts}"
+            if r.last_error:
+                line += f"  last error: {r.last_error}"
+            _say(line)
 
 
 def _signal_group(task: _Task, sig: int) -> None:
@@ -148,27 +493,9 @@ def _signal_group(task: _Task, sig: int) -> None:
         pass
 
 
-def _stop(tasks: Sequence[_Task]) -> None:
-    """SIGTERM to every process group still running, SIGKILL after the grace period."""
-    running = [t for t in tasks if t.process.poll() is None]
-    for t in running:
-        t.stopped_by_us = True
-        _signal_group(t, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for t in running:
-        try:
-            t.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for t in tasks:
-        if t.finalized:
-            continue
-        # Also stops anything the process left behind in its group. Once done,
-        # the group id is never signalled again (the pid may be reused).
-        _signal_group(t, signal.SIGKILL)
-        t.process.wait()
-        t.reader.join(timeout=2.0)
-        t.finalized = True
+def _backoff(failures_in_a_row: int) -> float:
+    """Seconds before a restart: BACKOFF_START_S after a run that made progress, doubling per quick failure."""
+    return min(BACKOFF_MAX_S, BACKOFF_START_S * 2 ** max(failures_in_a_row - 1, 0))
 
 
 def _describe_exit(code: int) -> str:
@@ -190,60 +517,13 @@ def _report_failure(task: _Task) -> None:
     _say(f"{task.label} {_describe_exit(code)}; stopping the job. Its last lines:\n{lines}")
 
 
-def _run_once(command, workers, chief, ps, evaluator, base_env, attempt, deadline, restarts=0) -> tuple[int, bool]:
-    """Runs the job once; returns (status, whether a restart could help)."""
-    cluster = local_cluster(workers, chief, ps)
-    roles = [(job, i) for job, addrs in cluster.items() for i in range(len(addrs))]
-    if evaluator:
-        roles.append(("evaluator", 0))
-    tasks: list[_Task] = []
-    # With parameter servers, workers are stateless servers the chief's
-    # coordinator reschedules around: a failed one is restarted in place (same
-    # address, so it rejoins the cluster) up to `restarts` times.
-    in_place_left = {i: restarts for i in range(workers)} if ps else {}
-    try:
-        for job, index in roles:
-            tasks.append(_start(command, job, index, cluster, base_env, attempt))
-        deciding = [t for t in tasks if t.job == "chief"] or [t for t in tasks if t.job == "worker"]
-        while True:
-            for position, t in enumerate(tasks):
-                code = t.process.poll()
-                if code is not None and code != 0 and not t.stopped_by_us:
-                    t.reader.join(timeout=2.0)
-                    if t.job == "worker" and in_place_left.get(t.index, 0) > 0 and t not in deciding:
-                        in_place_left[t.index] -= 1
-                        _stop([t])
-                        used = restarts - in_place_left[t.index]
-                        _say(f"{t.label} {_describe_exit(code)}; restarting it in place "
-                             f"(restart {used} of {restarts} for this worker).")
-                        tasks[position] = _start(command, t.job, t.index, cluster, base_env, used)
-                        continue
-                    _stop(tasks)
-                    _report_failure(t)
-                    return _exit_status(code), True
-            if all(t.process.poll() == 0 for t in deciding):
-                # Synchronous workers of a chief-led job end a moment after the
-                # chief; with parameter servers, workers serve until stopped.
-                others = [t for t in tasks if t not in deciding and t.job == "worker" and not ps]
-                grace = time.monotonic() + FINISH_GRACE_S
-                while any(t.process.poll() is None for t in others) and time.monotonic() < grace:
-                    if deadline is not None and time.monotonic() > deadline:
-                        _stop(tasks)
-                        _say(f"the job did not finish within the timeout; stopped all {len(tasks)} processes.")
-                        return EXIT_TIMEOUT, False
-                    time.sleep(_POLL_S)
-                failed = [t for t in others if t.process.poll() not in (None, 0)]
-                _stop(tasks)
-                for t in failed:
-                    _report_failure(t)
-                return (_exit_status(failed[0].process.returncode), True) if failed else (0, False)
-            if deadline is not None and time.monotonic() > deadline:
-                _stop(tasks)
-                _say(f"the job did not finish within the timeout; stopped all {len(tasks)} processes.")
-                return EXIT_TIMEOUT, False
-            time.sleep(_POLL_S)
-    finally:
-        _stop(tasks)
+def _same_failure(signature: tuple, what: str) -> str:
+    label, code, error = signature
+    return (
+        f"{label} failed as in its previous run ({_describe_exit(code)}, last error: "
+        f"{error if error else '(no output)'}) within {PROGRESS_S:g} s of its start, with no progress "
+        f"in between; {what}."
+    )
 
 
 def run_job(
@@ -255,6 +535,8 @@ def run_job(
     restarts: int = 0,
     env: Optional[dict] = None,
     timeout: Optional[float] = None,
+    all_progress: bool = False,
+    tf_logs: bool = False,
 ) -> int:
     """Runs a multi-process job on this machine and returns its exit status.
 
@@ -271,15 +553,26 @@ def run_job(
             a training process fails (default 0). With parameter servers
             (`ps > 0`), a failed worker is instead restarted in place, with
             the same address, up to this many times per worker; a failed
-            chief or ps still restarts the whole job.
+            chief or ps still restarts the whole job. Restarts wait
+            `BACKOFF_START_S` (1 s), doubling while runs fail within
+            `PROGRESS_S` (60 s) of their start, at most `BACKOFF_MAX_S`
+            (30 s); they stop when a run failed as the one before it (same
+            task, status and last error line) within `PROGRESS_S`.
         env: Optional dict of environment variables added to this process's
-            for every task (e.g. `{"TFDIST_LOCAL_DEVICES": "2"}`).
+            for every task (e.g. `{"TFDIST_LOCAL_DEVICES": "2"}`). `TMPDIR`
+            is the parent of each task's own temporary directory.
         timeout: Optional float. Seconds after which the job is stopped
             and 124 returned (default: no limit).
+        all_progress: bool. Show the progress bars of every task (default
+            `False`: only the chief's).
+        tf_logs: bool. Keep TensorFlow's start-up messages (default `False`:
+            dropped).
 
     Returns:
         0 if the job succeeded; else the failed process's status (128 + signal
-        number if it was killed), 124 on timeout, 130 when interrupted.
+        number if it was killed), 124 on timeout, 127 (126) when the command
+        cannot be found (run), 128 + the signal's number when stopped by
+        SIGINT (130), SIGTERM or SIGHUP.
 
     Raises:
         ValueError: an argument is invalid; the message names it.
@@ -295,35 +588,58 @@ def run_job(
     base_env = dict(os.environ)
     base_env.update({str(k): str(v) for k, v in (env or {}).items()})
     deadline = None if timeout is None else time.monotonic() + timeout
+    options = _OutputOptions(all_progress=bool(all_progress), tf_logs=bool(tf_logs))
 
     received = []
 
     def on_signal(signum, frame):
-        # Raise once; a second Ctrl-C must not interrupt the stopping itself.
+        # Raise once; a second signal must not interrupt the stopping itself.
         if not received:
             received.append(signum)
             raise _Interrupted(signum)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, on_signal)
+        for name in _STOP_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                previous[sig] = signal.signal(sig, on_signal)
+    job = None
     try:
+        job = _Job(command, workers, chief, ps, evaluator, restarts, base_env, deadline, options)
+        last_signature, quick_in_a_row = None, 0
         for attempt in range(restarts + 1):
-            status, retry = _run_once(
-                command, workers, chief, ps, evaluator, base_env, attempt, deadline, restarts
-            )
-            if status == 0 or not retry:
+            status, signature, seconds = job.run_once(attempt)
+            if status == 0 or signature is None:
                 return status
-            if attempt < restarts:
-                _say(f"restarting the job (restart {attempt + 1} of {restarts}).")
+            if attempt == restarts:
+                break
+            quick = seconds < PROGRESS_S
+            if quick and signature == last_signature:
+                _say(_same_failure(signature, "a restart would fail the same way, so the job stops here"))
+                return status
+            last_signature = signature
+            quick_in_a_row = quick_in_a_row + 1 if quick else 0
+            wait = _backoff(quick_in_a_row)
+            if deadline is not None and time.monotonic() + wait > deadline:
+                _say("the job did not finish within the timeout; not restarting it.")
+                return EXIT_TIMEOUT
+            _say(f"restarting the job (restart {attempt + 1} of {restarts}) in {wait:g} s.")
+            time.sleep(wait)
         _say(f"the job failed {restarts + 1} time(s); giving up.")
         return status
+    except _CannotStart as e:
+        job.records.clear()  # nothing ran: no summary
+        _say(f"{e}. Check the command after `--`, e.g. tfdist launch --workers 2 -- python train.py")
+        return e.status
     except (_Interrupted, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, _Interrupted) else signal.SIGINT
         _say(f"{signal.Signals(signum).name} received; stopped every process of the job.")
         return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
     finally:
+        if job is not None:
+            job.summary()
+            shutil.rmtree(job.tmp_root, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -336,13 +652,19 @@ def add_arguments(p) -> None:
     p.add_argument("--evaluator", action="store_true", help="add an evaluator process")
     p.add_argument(
         "--restarts", type=int, default=0,
-        help="restart the whole job up to K times on failure; with --ps, restart a failed worker in place",
+        help="restart the whole job up to K times on failure (waiting 1 s, doubling up to 30 s; stopping "
+             "early when a failure repeats with no progress); with --ps, restart a failed worker in place",
     )
     p.add_argument("--timeout", type=float, default=None, help="stop the job after S seconds (exit 124)")
+    p.add_argument("--all-progress", action="store_true",
+                   help="show every task's progress bars (default: only the chief's)")
+    p.add_argument("--tf-logs", action="store_true",
+                   help="keep TensorFlow's start-up messages (default: dropped)")
     p.usage = (
         "tfdist launch --workers N [--chief] [--ps M] [--evaluator] [--restarts K] [--timeout S] "
-        "-- python train.py ARGS"
+        "[--all-progress] [--tf-logs] -- python train.py ARGS"
     )
+    p.epilog = "Signals, restarts and network exposure: docs/operations.md"
 
 
 def main(args) -> int:
@@ -355,7 +677,8 @@ def main(args) -> int:
         return 2
     try:
         return run_job(command, args.workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator,
-                       restarts=args.restarts, timeout=args.timeout)
+                       restarts=args.restarts, timeout=args.timeout,
+                       all_progress=getattr(args, "all_progress", False), tf_logs=getattr(args, "tf_logs", False))
     except ValueError as e:
         _say(str(e).replace("Argument 'workers'", "--workers").replace("Argument 'ps'", "--ps")
              .replace("Argument 'restarts'", "--restarts").replace("Argument 'timeout'", "--timeout"))

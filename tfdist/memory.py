@@ -93,7 +93,7 @@ def memory_report(model) -> dict[str, dict[str, int]]:
 
 
 def _gradient_buffers(model, sharded) -> dict[str, int]:
-    strategy = getattr(model, "_distribute_strategy", None)
+    strategy = kc.model_strategy(model)
     trainable = model.trainable_variables
     if sharded is not None and sharded.layout is not None:
         layout = sharded.layout

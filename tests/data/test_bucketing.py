@@ -153,6 +153,46 @@ def test_bad_arguments_name_the_value_and_the_fix(kwargs, message, examples):
     assert str(info.value) == message
 
 
+def test_already_batched_input_is_refused_with_the_fix(examples):
+    batched = dataset_of(examples).padded_batch(4).prefetch(1)
+    with pytest.raises(ValueError) as info:
+        tfdist.data.bucket_by_length(batched, boundaries=[8, 16], global_batch_size=8)
+    assert str(info.value) == (
+        "bucket_by_length needs a dataset of single examples, and this one is already batched (by "
+        ".padded_batch(...) in its pipeline): axis 0 of each element is the batch, which would be read as "
+        "the sequence length and padded with rows of zeros as if they were examples. Apply "
+        "bucket_by_length before .batch(...) (it batches to global_batch_size itself), or call .unbatch() "
+        "first. Received: element_spec=(TensorSpec(shape=(None, None), dtype=tf.int32, name=None), "
+        "TensorSpec(shape=(None,), dtype=tf.int32, name=None))"
+    )
+
+
+@pytest.mark.parametrize(
+    "pipeline, refused_by",
+    [
+        (lambda ds: ds.batch(1), "batch"),
+        (lambda ds: ds.padded_batch(2, drop_remainder=True).repeat().shuffle(4), "padded_batch"),
+        (lambda ds: ds.padded_batch(2).map(lambda x, y: (x, y)), "padded_batch"),
+        (lambda ds: tfdist.data.bucket_by_length(ds, boundaries=[64], global_batch_size=2), "group_by_window"),
+        (lambda ds: ds.padded_batch(2).unbatch(), None),
+        (lambda ds: ds.padded_batch(2).map(lambda x, y: (x[0], y[0])), None),
+        # Single examples whose components all share axis 0, as a batch's do.
+        (lambda ds: ds.map(lambda x, y: {"ids": x, "mask": tf.ones_like(x)}), None),
+    ],
+    ids=["batch", "padded_batch-repeat-shuffle", "batch-map", "bucketed-twice", "unbatched", "batch-index",
+         "ids-and-mask"],
+)
+def test_batched_input_is_told_from_single_examples(pipeline, refused_by, examples):
+    dataset = pipeline(dataset_of(examples[:40]))
+    if refused_by is None:
+        batches = tfdist.data.bucket_by_length(dataset, boundaries=[256], global_batch_size=4)
+        first = tf.nest.flatten(next(iter(batches)))[0]
+        assert first.shape == (4, 256)
+    else:
+        with pytest.raises(ValueError, match=rf"already batched \(by \.{refused_by}\(\.\.\.\) in its pipeline\)"):
+            tfdist.data.bucket_by_length(dataset, boundaries=[256], global_batch_size=4)
+
+
 def test_replica_count_comes_from_the_strategy_scope(examples):
     with strategy_for("mirrored", 4).scope():
         with pytest.raises(ValueError, match="must divide evenly across the 4 replicas"):

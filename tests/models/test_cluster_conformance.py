@@ -95,7 +95,7 @@ PS_REFUSALS = {
     for name in ("convnet", "resnet")
 }
 PS_REFUSALS["custom_step"] = (
-    "fit",
+    "compile",
     "NotImplementedError: A custom train_step under strategy 'parameter_server' is not supported: "
     "tfdist's step applies each worker's gradient to the variables on the ps tasks itself. "
     "Received: CustomStepModel.train_step overridden",

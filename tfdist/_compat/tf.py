@@ -350,3 +350,17 @@ def replica_id_in_sync_group(strategy, local_replica: int) -> int:
 def dataset_graph_def(dataset) -> bytes:
     """The serialized `GraphDef` of a `tf.data.Dataset` (its private `_as_serialized_graph`)."""
     return dataset._as_serialized_graph().numpy()
+
+
+def dataset_inputs(dataset) -> list:
+    """The datasets `dataset` reads from: TensorFlow's private `Dataset._inputs()`, verified on 2.21.
+
+    Where TensorFlow lacks it (or a dataset does not implement it), `[]`:
+    callers then look at the last transformation only.
+    """
+    inputs = getattr(dataset, "_inputs", None)
+    try:
+        return list(inputs()) if callable(inputs) else []
+    except NotImplementedError:
+        return []
+

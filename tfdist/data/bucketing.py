@@ -7,6 +7,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfdist._compat import tf as tfc
+
 TOO_LONG_POLICIES = ("drop", "error")
 
 
@@ -56,6 +58,60 @@ def _check_global_batch(global_batch_size: Any, num_replicas: int) -> int:
             f"{num_replicas}, e.g. {hint}."
         )
     return int(global_batch_size)
+
+
+# tf.data transformations that put a batch axis in front of every component,
+# by the method that adds them. Class names are TensorFlow's private ones
+# (tensorflow/python/data/ops/*), read by `_batched_by` only.
+_BATCHING = {
+    "_BatchDataset": "batch",
+    "_ParallelBatchDataset": "batch",
+    "_PaddedBatchDataset": "padded_batch",
+    "_RebatchDataset": "rebatch",
+    "_MapAndBatchDataset": "map_and_batch",
+    "_DenseToSparseBatchDataset": "dense_to_sparse_batch",
+}
+# Elements below these are not this dataset's elements (a function makes
+# them): nothing can be said, so nothing is claimed.
+_OPAQUE = ("_FlatMapDataset", "_InterleaveDataset", "_ParallelInterleaveDataset", "_WindowDataset", "_ScanDataset")
+
+
+def _ranks(dataset: tf.data.Dataset) -> list | None:
+    ranks = [getattr(getattr(s, "shape", None), "rank", None) for s in tf.nest.flatten(dataset.element_spec)]
+    return None if None in ranks else sorted(ranks)
+
+
+def _batched_by(dataset: tf.data.Dataset) -> str | None:
+    """The transformation that batched `dataset` (e.g. `"batch"`), or `None` if its elements are single examples.
+
+    Walks the pipeline upwards (`tfdist._compat.tf.dataset_inputs`) until a batching transformation
+    (batched, unless the element ranks changed after it) or an `unbatch` or a
+    function-made source (not batched, as far as can be told). Element specs
+    alone cannot tell a batch axis from a sequence axis: `([None], [None])`
+    is a batch of (tokens, label) pairs or one example of (ids, mask).
+    """
+    top = _ranks(dataset)
+    todo, seen = [dataset], 0
+    while todo and seen < 1000:
+        current = todo.pop()
+        seen += 1
+        name = type(current).__name__
+        if name == "_UnbatchDataset" or name in _OPAQUE:
+            continue
+        inputs = tfc.dataset_inputs(current)
+        if name in _BATCHING or name == "_GroupByWindowDataset":
+            # A map after the batch may have changed what an element is; only
+            # claim a batch when the element ranks are still the batch's.
+            if top is not None and _ranks(current) == top:
+                if name in _BATCHING:
+                    return _BATCHING[name]
+                # group_by_window batches when its reduce_func does: then every
+                # component gained one leading axis over its input's.
+                if len(inputs) == 1 and _ranks(inputs[0]) is not None and [r + 1 for r in _ranks(inputs[0])] == top:
+                    return "group_by_window"
+            continue
+        todo.extend(inputs)
+    return None
 
 
 def quantile_boundaries(lengths: Sequence[int], num_buckets: int) -> tuple[int, ...]:
@@ -199,8 +255,8 @@ def bucket_by_length(
 
     Raises:
         ValueError: bad `boundaries`, `global_batch_size`, `too_long`,
-            `num_buckets` or `sample_size`; the message names the value and
-            the fix.
+            `num_buckets` or `sample_size`, or a `dataset` that is already
+            batched; the message names the value and the fix.
 
     Example:
 
@@ -215,6 +271,15 @@ def bucket_by_length(
         raise TypeError(
             "Argument 'dataset' must be a tf.data.Dataset of unbatched examples. "
             f"Received: dataset of type {type(dataset).__name__}"
+        )
+    batched_by = _batched_by(dataset)
+    if batched_by is not None:
+        raise ValueError(
+            "bucket_by_length needs a dataset of single examples, and this one is already batched "
+            f"(by .{batched_by}(...) in its pipeline): axis 0 of each element is the batch, which would "
+            "be read as the sequence length and padded with rows of zeros as if they were examples. "
+            "Apply bucket_by_length before .batch(...) (it batches to global_batch_size itself), or "
+            f"call .unbatch() first. Received: element_spec={dataset.element_spec}"
         )
     if too_long not in TOO_LONG_POLICIES:
         raise ValueError(

@@ -8,12 +8,39 @@ from tfdist.engine.loop import make_host_function
 from tfdist.engine.step import TrainStep
 
 
-def validate_compiled_model(model) -> None:
-    """Raises `NotImplementedError` for a compile configuration the engine does not run.
+def model_features(model) -> list[str]:
+    """The features a compiled model uses that a strategy may not run, in checking order.
 
-    Loss scaling (`LossScaleOptimizer`), Keras's gradient accumulation, XLA
-    and the step options run in the engine; what remains unsupported is named
-    here with the combination.
+    The vocabulary of `TfdistStrategy.unsupported(feature, model)`.
+    """
+    optimizer = model.optimizer
+    options = model.distribute_strategy.options
+    used = []
+    if options.accumulation_steps > 1:
+        used.append("accumulation_steps")
+    if options.jit_compile or model.jit_compile is True:
+        used.append("jit_compile")
+    if any(getattr(layer, "synchronized", False) for layer in kc.all_layers(model)):
+        used.append("synchronized_batchnorm")
+    used.append("step_options")
+    if kc.has_custom_train_step(model):
+        used.append("custom_train_step")
+    if kc.is_loss_scale_optimizer(optimizer):
+        used.append("loss_scale_optimizer")
+    if kc.keras_accumulation_steps(optimizer):
+        used.append("keras_accumulation")
+    if getattr(kc.inner_optimizer(optimizer), "use_ema", False):
+        used.append("ema")
+    used.append("optimizer")
+    return used
+
+
+def validate_compiled_model(model) -> None:
+    """Raises `NotImplementedError` for a compile configuration the strategy does not run.
+
+    Asks the strategy about each feature the model uses
+    (`TfdistStrategy.unsupported`); the first refusal is raised with the
+    strategy's message, which names the combination and the fix.
     """
     optimizer = model.optimizer
     if optimizer is None:
@@ -21,34 +48,16 @@ def validate_compiled_model(model) -> None:
     strategy = model.distribute_strategy
     options = strategy.options
     keras_steps = kc.keras_accumulation_steps(optimizer)
-    if strategy.gradient_path == "parameter_server":
-        _validate_parameter_server(model, options)
     if keras_steps and options.accumulation_steps > 1:
         raise NotImplementedError(
             "Gradient accumulation is set twice: Optimizer(gradient_accumulation_steps="
             f"{keras_steps}) and the strategy option accumulation_steps="
             f"{options.accumulation_steps}. Set one of them."
         )
-
-
-def _validate_parameter_server(model, options) -> None:
-    # Workers step asynchronously, each on its own batch: there is no global
-    # batch to accumulate over, to synchronise statistics over, or to compile
-    # collectives around. (LossScaleOptimizer and Keras's accumulation are
-    # refused by tfdist.engine.parameter_server itself.)
-    unsupported = []
-    if options.accumulation_steps > 1:
-        unsupported.append(f"accumulation_steps={options.accumulation_steps}")
-    if options.jit_compile or model.jit_compile is True:
-        unsupported.append("jit_compile=True")
-    if any(getattr(layer, "synchronized", False) for layer in kc.all_layers(model)):
-        unsupported.append("BatchNormalization(synchronized=True)")
-    if unsupported:
-        raise NotImplementedError(
-            f"{unsupported[0]} under strategy 'parameter_server' is not supported: workers "
-            "update the variables asynchronously, one batch at a time, with no global batch. "
-            "Use a synchronous strategy (mirrored, multi_worker, ...) for this feature."
-        )
+    for feature in model_features(model):
+        reason = strategy.unsupported(feature, model)
+        if reason is not None:
+            raise NotImplementedError(reason)
 
 
 def make_train_function(model):
@@ -73,4 +82,4 @@ def make_test_function(model):
     return make_host_function(model, step_fn, model.steps_per_execution)
 
 
-__all__ = ["CustomTrainStep", "TrainStep", "make_host_function", "make_test_function", "make_train_function"]
+__all__ = ["CustomTrainStep", "model_features", "validate_compiled_model", "TrainStep", "make_host_function", "make_test_function", "make_train_function"]

@@ -118,6 +118,7 @@ class CustomTrainStep(TrainStep):
             ordered.append(grads[i])
         return ordered
 
+    @tf.autograph.experimental.do_not_convert
     def _apply(self, original, grads, trainable_variables=None):
         ctx = tf.distribute.get_replica_context()
         grads = list(grads)

@@ -122,34 +122,56 @@ def steps_per_closure(model) -> int:
     return int(sink) if sink else int(model.steps_per_execution)
 
 
-def validate_model(model) -> None:
-    """Raises `NotImplementedError` for what the parameter-server step does not run."""
+def unsupported_feature(feature: str, model) -> str | None:
+    """`ParameterServerStrategy.unsupported`: what the asynchronous step does not run, and why.
+
+    Workers step asynchronously, each on its own batch: there is no global
+    batch to accumulate over, to synchronise statistics over, or to compile
+    collectives around; each worker applies its gradient to the ps variables
+    itself.
+    """
     from tfdist.options import STEP_OPTIONS
 
-    for name, value in model.distribute_strategy.options.as_dict().items():
-        if name not in _SUPPORTED_STEP_OPTIONS and value != STEP_OPTIONS[name].default:
-            raise NotImplementedError(
-                f"Step option {name!r} is not supported under strategy 'parameter_server' yet; "
-                f"leave it at its default ({STEP_OPTIONS[name].default!r}). Received: {name}={value!r}"
-            )
-    optimizer = model.optimizer
-    if kc.has_custom_train_step(model):
-        raise NotImplementedError(
+    asynchronous = (
+        "under strategy 'parameter_server' is not supported: workers update the variables "
+        "asynchronously, one batch at a time, with no global batch. Use a synchronous strategy "
+        "(mirrored, multi_worker, ...) for this feature."
+    )
+    if model is None:  # a question about the strategy alone ("estimator"): it runs
+        return None
+    options = model.distribute_strategy.options
+    if feature == "accumulation_steps":
+        return f"accumulation_steps={options.accumulation_steps} {asynchronous}"
+    if feature == "jit_compile":
+        return f"jit_compile=True {asynchronous}"
+    if feature == "synchronized_batchnorm":
+        return f"BatchNormalization(synchronized=True) {asynchronous}"
+    if feature == "step_options":
+        for name, value in options.as_dict().items():
+            if name not in _SUPPORTED_STEP_OPTIONS and value != STEP_OPTIONS[name].default:
+                return (
+                    f"Step option {name!r} is not supported under strategy 'parameter_server' yet; "
+                    f"leave it at its default ({STEP_OPTIONS[name].default!r}). Received: {name}={value!r}"
+                )
+        return None
+    if feature == "custom_train_step":
+        return (
             "A custom train_step under strategy 'parameter_server' is not supported: tfdist's "
             "step applies each worker's gradient to the variables on the ps tasks itself. "
             f"Received: {type(model).__name__}.train_step overridden"
         )
-    if kc.is_loss_scale_optimizer(optimizer):
-        raise NotImplementedError(
+    if feature == "loss_scale_optimizer":
+        return (
             "LossScaleOptimizer under strategy 'parameter_server' is not supported. "
             "Train in float32 or mixed_bfloat16."
         )
-    if getattr(optimizer, "gradient_accumulation_steps", None) or getattr(optimizer, "use_ema", False):
-        raise NotImplementedError(
+    if feature in ("keras_accumulation", "ema"):
+        return (
             "Optimizer(gradient_accumulation_steps=...) and Optimizer(use_ema=True) are not "
             "supported under strategy 'parameter_server': workers update the ps variables "
             "asynchronously, one step at a time."
         )
+    return None
 
 
 def _make_closure(model) -> Callable:
@@ -402,7 +424,6 @@ def fit(
     strategy = model.distribute_strategy
     _check_chief(strategy, "fit")
     kc.assert_compile_called(model, "fit")
-    validate_model(model)
     if class_weight is not None:
         raise NotImplementedError(
             "class_weight under strategy 'parameter_server' is not supported; weight the "

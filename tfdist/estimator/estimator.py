@@ -80,7 +80,10 @@ def _split(element) -> tuple[Any, Any]:
 
 
 def _is_parameter_server(strategy) -> bool:
-    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+    # Stock ParameterServerStrategy too: the runner drives any through a ClusterCoordinator.
+    return getattr(strategy, "asynchronous", False) or isinstance(
+        strategy, tf.distribute.experimental.ParameterServerStrategy
+    )
 
 
 def _batch_size(features) -> tf.Tensor:
@@ -561,12 +564,9 @@ class Estimator:
                 return self
         strategy = self._strategy("train")
         graph = self._graph(strategy)
-        if getattr(strategy, "name", None) == "sharded_optimizer":
-            raise NotImplementedError(
-                "Strategy 'sharded_optimizer' is not supported by tfdist.estimator yet: it shards the "
-                "optimizer state of a compiled Keras model (model.compile), and a model_fn has none. "
-                "Use train_distribute='mirrored' (same replicas, full optimizer state per device)."
-            )
+        reason = strategy.unsupported("estimator") if is_tfdist_strategy(strategy) else None
+        if reason is not None:
+            raise NotImplementedError(reason)
         if _is_parameter_server(strategy):
             return self._train_parameter_server(graph, input_fn, latest, steps, max_steps, saving_listeners)
         try:

@@ -24,11 +24,34 @@ class TfdistStrategy:
             `"all_reduce"` (every replica ends with the summed gradient) or
             `"reduce_to_variables"` (gradients are summed onto the device that
             holds each variable, which is updated once).
+        asynchronous: workers step without synchronising (parameter server):
+            tfdist's own host loop drives `fit`, and no step collective runs.
+
+    What a strategy runs is declared by `unsupported(feature, model)`, which
+    the engine's validation (`tfdist.engine.validate_compiled_model`) and the
+    Estimator runner consult; no strategy is recognised by its name.
     """
 
     name: ClassVar[str] = ""
     PARAMS: ClassVar[dict[str, Option]] = {}
     gradient_path: ClassVar[str] = "all_reduce"
+    asynchronous: ClassVar[bool] = False
+
+    def unsupported(self, feature: str, model=None) -> str | None:
+        """Why this strategy does not run `feature` (for `model`), or `None` when it does.
+
+        Features (see `tfdist.engine.model_features`): "accumulation_steps",
+        "jit_compile", "synchronized_batchnorm", "custom_train_step",
+        "loss_scale_optimizer", "keras_accumulation" (Keras's
+        `Optimizer(gradient_accumulation_steps=...)`), "ema", "optimizer"
+        (the compiled optimizer's class), "step_options" (non-default step
+        options), "estimator" (the Estimator-style runner). The reason is
+        the whole error message: it names the combination and the fix.
+        """
+        return None
+
+    def on_compile(self, model) -> None:
+        """Called at the end of `model.compile` in the strategy's scope (after validation)."""
 
     @classmethod
     def demo_kwargs(cls):

@@ -396,6 +396,12 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
         "join": JOIN,
     }
     gradient_path = "parameter_server"
+    asynchronous = True
+
+    def unsupported(self, feature: str, model=None) -> str | None:
+        from tfdist.engine.parameter_server import unsupported_feature
+
+        return unsupported_feature(feature, model)
 
     def __new__(cls, variable_partitioner=None, cluster_resolver=None, join=True, **options):
         # Validate everything before a server starts or the process blocks.

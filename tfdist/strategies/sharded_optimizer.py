@@ -86,30 +86,41 @@ class _ShardedStrategyMixin:
     gradient_path = "sharded_optimizer"
     stage: int
 
-    def on_compile(self, model) -> None:
-        """Checks the compiled optimizer and makes it build and save sharded state."""
-        optimizer = model.optimizer
-        if optimizer is None:
-            return
-        if kc.is_loss_scale_optimizer(optimizer):
-            raise NotImplementedError(
+    def unsupported(self, feature: str, model=None) -> str | None:
+        if feature == "loss_scale_optimizer":
+            return (
                 "LossScaleOptimizer (mixed_float16 dynamic loss scaling) is not supported by "
                 "the 'sharded_optimizer' strategy: its per-slice optimizers are built from the "
                 "optimizer's own class and do not carry the loss-scale wrapper. Use "
                 "mixed_bfloat16 or float32, or the mirrored strategy."
             )
-        reason = _WHOLE_TENSOR_OPTIMIZERS.get(type(optimizer).__name__)
-        if reason:
-            raise NotImplementedError(
-                f"Optimizer {type(optimizer).__name__} is not supported by the 'sharded_optimizer' "
-                f"strategy: {reason}, and each replica holds only a flat slice. Use the mirrored "
-                "strategy, or an optimizer with per-element state (Adam, AdamW, SGD, Lion, ...)."
-            )
-        if kc.keras_accumulation_steps(optimizer):
-            raise NotImplementedError(
+        if feature == "optimizer":
+            name = type(model.optimizer).__name__
+            reason = _WHOLE_TENSOR_OPTIMIZERS.get(name)
+            if reason:
+                return (
+                    f"Optimizer {name} is not supported by the 'sharded_optimizer' "
+                    f"strategy: {reason}, and each replica holds only a flat slice. Use the mirrored "
+                    "strategy, or an optimizer with per-element state (Adam, AdamW, SGD, Lion, ...)."
+                )
+        if feature == "keras_accumulation":
+            return (
                 "Optimizer(gradient_accumulation_steps=...) is not supported by the "
                 "'sharded_optimizer' strategy. Use the strategy option accumulation_steps=... instead."
             )
+        if feature == "estimator":
+            return (
+                "Strategy 'sharded_optimizer' is not supported by tfdist.estimator yet: it shards the "
+                "optimizer state of a compiled Keras model (model.compile), and a model_fn has none. "
+                "Use train_distribute='mirrored' (same replicas, full optimizer state per device)."
+            )
+        return None
+
+    def on_compile(self, model) -> None:
+        """Makes the compiled optimizer build and save sharded state (after validation)."""
+        optimizer = model.optimizer
+        if optimizer is None:
+            return
         if kc.sharded_state(optimizer) is not None:
             return
         if optimizer.built:
@@ -623,6 +634,7 @@ class ShardedState:
             decay_mask=mask if self.decay is not None else None, constrain=False, count=False,
         )
 
+    @tf.autograph.experimental.do_not_convert
     def _gathered_values(self) -> list:
         """Replica context: every variable's updated value, all-gathered from the slices."""
         dtypes = [v.dtype for v in self.variables]
@@ -631,9 +643,6 @@ class ShardedState:
         values = self.layout.unflatten(full, dtypes)
         return [c(t) if c is not None else t for c, t in zip(constraints, values)]
 
-    # Not converted by autograph: it has no control flow, and its conversion
-    # inside merge_call once failed under load with "tf___assign_model() takes
-    # from 1 to 2 positional arguments but 3 were given".
     @tf.autograph.experimental.do_not_convert
     def _assign_model(self, values) -> None:
         """Cross-replica context: writes gathered values into the model; the step is done."""
@@ -643,6 +652,10 @@ class ShardedState:
             )
         kc.advance_iterations(self.optimizer)
 
+    # Not converted by autograph (plain Python around TensorFlow calls): converting
+    # it, and the methods it calls inside merge_call, failed in long test runs with
+    # "tf___gathered_values() takes from 0 to 1 positional arguments but 3 were given".
+    @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None) -> None:
         """`optimizer.apply` from a custom `train_step` or training loop (replica context).
 
