@@ -203,6 +203,9 @@ def all_reduce_sum(values: Sequence, bucket_bytes: int) -> list:
     ctx = tf.distribute.get_replica_context()
     if ctx is None:
         raise RuntimeError("all_reduce_sum must be called in replica context (inside strategy.run).")
+    if ctx.num_replicas_in_sync == 1:
+        # One replica: the sum is the value; no packing, no collective.
+        return list(values)
     plan = BucketPlan.build(values, bucket_bytes)
     packed = plan.pack(values)
     trace_counter["all_reduce"] += len(packed)

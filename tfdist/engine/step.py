@@ -152,6 +152,10 @@ class TrainStep:
         kc.track_loss(self.model, loss, batch)
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         grads = self.overwrite_from_replicas(grads)
+        if self.strategy.num_replicas_in_sync == 1 and self.accumulation is None:
+            # One replica, one batch: its gradient is the step's; weight 1
+            # tells the chain there is nothing to normalise.
+            return list(grads) + [tf.constant(1.0)]
         # Keras divided the loss by the replica count; undo that and weight by
         # this replica's batch size instead (exact for uneven splits).
         weight = tf.cast(batch, tf.float32)

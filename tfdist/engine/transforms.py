@@ -93,6 +93,9 @@ class NormalizeByWeight(GradientTransformation):
 
     def update(self, values: list) -> list:
         grads, total = values[:-1], values[-1]
+        if tf.get_static_value(total) == 1.0:
+            # One replica's own gradient, sent unweighted (TrainStep.compute_gradients).
+            return list(grads)
         return _map(lambda g: tf.math.divide_no_nan(g, tf.cast(total, g.dtype)), grads)
 
 
