@@ -388,9 +388,9 @@ def prepare(modules, config: Config, setting: Setting, s: dict, data, devices, s
             tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True).cache()
             .prefetch(tf.data.AUTOTUNE)
         )
-        fit_args, fit_kwargs = (dataset,), {}
+        fit_args, fit_kwargs = (dataset,), {"shuffle": False}
         # A whole epoch: traces the step and fills the cache.
-        model.fit(dataset, epochs=1, verbose=0)
+        model.fit(dataset, epochs=1, verbose=0, shuffle=False)
     else:
         fit_args, fit_kwargs = (x, y), {"batch_size": batch, "shuffle": False}
         # One host call traces (and compiles) the step.
@@ -734,6 +734,8 @@ def child(args) -> None:
     import numpy as np
     import tensorflow as tf
 
+    # Every configuration traces its own functions; TensorFlow's retracing hint is noise here.
+    tf.get_logger().setLevel("ERROR")
     setting = Setting(**spec["setting"])
     configs = [Config(**c) for c in spec["configs"]]
     failures: list[dict] = []
