@@ -400,7 +400,12 @@ def prepare(modules, config: Config, setting: Setting, s: dict, data, devices, s
 
     def window() -> float:
         clock = _Clock.make()
+        before = int(model.optimizer.iterations.numpy())
         model.fit(*fit_args, epochs=1, verbose=0, callbacks=[clock], **fit_kwargs)
+        ran = int(model.optimizer.iterations.numpy()) - before
+        if ran != steps:
+            # Samples/s would be wrong, not just slow.
+            raise RuntimeError(f"The epoch ran {ran} optimizer steps; expected {steps}.")
         return samples / clock.seconds
 
     def release():
