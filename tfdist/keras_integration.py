@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
 
 import keras
 import tensorflow as tf
@@ -36,7 +35,6 @@ from tfdist.strategies.base import add_creation_hook, is_tfdist_strategy
 
 _installed = False
 _hooks_registered: list = []
-_originals: dict[str, Any] = {}
 
 
 def _is_tfdist_model(model) -> bool:
@@ -133,7 +131,7 @@ def _patched_symbolic_build(original):
             )
             break
         with strategy.scope():
-            kc.run_symbolic_build(self, data_batch)
+            kc.symbolic_build(self, data_batch)
 
     return _maybe_symbolic_build
 
@@ -422,14 +420,14 @@ def _patched_tape_gradient(original):
         sharded = [kc.holds_shards(s) for s in flat]
         if not any(sharded):
             return original(self, target, sources, *args, **kwargs)
-        from tfdist.engine.parameter_server import _regroup
+        from tfdist.engine.parameter_server import regroup
 
         parts = [kc.variable_parts(s) if is_sharded_source else [s] for s, is_sharded_source in zip(flat, sharded)]
         grads = original(self, target, [p for ps in parts for p in ps], *args, **kwargs)
         out, i = [], 0
         for source, ps, is_sharded_source in zip(flat, parts, sharded):
             part_grads = grads[i : i + len(ps)]
-            out.append(_regroup(source, part_grads) if is_sharded_source else part_grads[0])
+            out.append(regroup(source, part_grads) if is_sharded_source else part_grads[0])
             i += len(ps)
         return tf.nest.pack_sequence_as(sources, out)
 
@@ -516,7 +514,7 @@ def patch_training_of_sharded_variables() -> None:
 
     * `tf.GradientTape.gradient`: a source that holds shards is replaced by its
       shards (`variable_parts`), and their gradients are regrouped into one
-      gradient of the whole variable (`tfdist.engine.parameter_server._regroup`,
+      gradient of the whole variable (`tfdist.engine.parameter_server.regroup`,
       as `fit`'s `worker_gradients` does: `IndexedSlices` with the variable's
       dense_shape, or a dense tensor). Sources holding no shards: TensorFlow's
       own method, unchanged.

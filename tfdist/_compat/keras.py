@@ -112,6 +112,14 @@ def tf_variable(v):
     return v.value if isinstance(v, keras.Variable) else v
 
 
+def reorder_like(grads, variables, reference):
+    """`grads` (one per `variables`) in the order of `reference`; `None` at a variable of
+    `reference` that `variables` lacks. Variables match by the TensorFlow variable behind them."""
+    position = {id(tf_variable(v)): i for i, v in enumerate(variables)}
+    indices = [position.get(id(tf_variable(v))) for v in reference]
+    return [None if i is None else grads[i] for i in indices], [r for r, i in zip(reference, indices) if i is None]
+
+
 def is_multi_optimizer(optimizer) -> bool:
     multi = getattr(keras.optimizers, "MultiOptimizer", None)  # Keras 3.13+
     return multi is not None and isinstance(optimizer, multi)
@@ -512,11 +520,6 @@ def replace_symbolic_build(wrapper) -> None:
 
 def restore_symbolic_build() -> None:
     restore_method(trainer_class(), "_maybe_symbolic_build")
-
-
-def run_symbolic_build(model, data_batch) -> None:
-    """Keras's `_symbolic_build` on one batch (builds model, metrics and optimizer)."""
-    model._symbolic_build(data_batch=data_batch)
 
 
 def replace_default_dtype_policy(wrapper) -> None:

@@ -109,14 +109,8 @@ class CustomTrainStep(TrainStep):
         model_variables = self.model.trainable_variables
         if len(variables) != len(model_variables):
             return None
-        position = {id(kc.tf_variable(v)): i for i, v in enumerate(variables)}
-        ordered = []
-        for v in model_variables:
-            i = position.get(id(kc.tf_variable(v)))
-            if i is None:
-                return None
-            ordered.append(grads[i])
-        return ordered
+        ordered, missing = kc.reorder_like(grads, variables, model_variables)
+        return None if missing else ordered
 
     @tf.autograph.experimental.do_not_convert
     def _apply(self, original, grads, trainable_variables=None):

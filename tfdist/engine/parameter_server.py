@@ -52,7 +52,7 @@ class ParameterServerError(RuntimeError):
 
 
 @tf.autograph.experimental.do_not_convert
-def _regroup(variable, part_grads: list):
+def regroup(variable, part_grads: list):
     """One gradient for a Keras variable from the gradients of its parts (shards)."""
     if len(part_grads) == 1:
         return part_grads[0]
@@ -91,7 +91,7 @@ def worker_gradients(model, data) -> list:
     model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     out, i = [], 0
     for v, parts in zip(trainable, sources):
-        out.append(_regroup(v, grads[i : i + len(parts)]))
+        out.append(regroup(v, grads[i : i + len(parts)]))
         i += len(parts)
     return kc.clip_gradients(model.optimizer, out)
 

@@ -687,17 +687,13 @@ class ShardedState:
             )
         else:
             trainable_variables = self.variables
-        position = {id(kc.tf_variable(v)): i for i, v in enumerate(trainable_variables)}
-        ordered = []
-        for v in self.variables:
-            i = position.get(id(kc.tf_variable(v)))
-            if i is None:
-                raise ValueError(
-                    f"optimizer.apply() was given {len(trainable_variables)} variables without "
-                    f"{v.path!r}, which the 'sharded_optimizer' optimizer was built on: pass the "
-                    "gradients of all of `model.trainable_variables` (a missing gradient may be None)."
-                )
-            ordered.append(grads[i])
+        ordered, missing = kc.reorder_like(grads, trainable_variables, self.variables)
+        if missing:
+            raise ValueError(
+                f"optimizer.apply() was given {len(trainable_variables)} variables without "
+                f"{missing[0].path!r}, which the 'sharded_optimizer' optimizer was built on: pass the "
+                "gradients of all of `model.trainable_variables` (a missing gradient may be None)."
+            )
         if len(trainable_variables) != len(self.variables):
             raise ValueError(
                 f"optimizer.apply() was given {len(trainable_variables)} variables; the "
