@@ -112,24 +112,29 @@ def _patched_make(original, kind: str):
 def _patched_symbolic_build(original):
     @functools.wraps(original)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Upstream Keras (3.5 to 3.15) averages the first distributed batch over
-        # replicas with `strategy.reduce("MEAN")` only to learn its shapes; when
-        # the global batch does not split evenly (30 over 4 replicas: 8, 8, 8, 6)
-        # that fails with "Inputs to operation AddN ... must have the same size".
-        # One replica's share has the shapes the build needs.
+        # Upstream Keras (3.5 to 3.15) takes one batch from a fresh distributed
+        # iterator only to learn the input's shapes, and averages it over
+        # replicas with `strategy.reduce("MEAN")`. The average fails when the
+        # global batch does not split evenly (30 over 4 replicas: "Inputs to
+        # operation AddN ... must have the same size"), and the iterator, dropped
+        # by `EpochIterator.reset()` while its multi-device prefetch is still
+        # running, crashed TensorFlow (SIGSEGV) about once in 5 to 8 fits. The
+        # build needs shapes and dtypes only: one replica's element spec has them.
         if iterator is None or not _is_tfdist_model(self):
             return original(self, iterator=iterator, data_batch=data_batch)
         sink_whole_epochs(self, iterator)
         strategy = self.distribute_strategy
-        for _, _, it in iterator:
-            batch = next(it)
-            data_batch = tf.nest.map_structure(
-                lambda v: strategy.experimental_local_results(v)[0]
-                if isinstance(v, tf.distribute.DistributedValues)
-                else v,
-                batch,
-            )
-            break
+        data_batch = kc.epoch_element_spec(iterator)
+        if data_batch is None:
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = tf.nest.map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0]
+                    if isinstance(v, tf.distribute.DistributedValues)
+                    else v,
+                    batch,
+                )
+                break
         with strategy.scope():
             kc.symbolic_build(self, data_batch)
 

@@ -244,6 +244,25 @@ def symbolic_build(model, data_batch) -> None:
     model._symbolic_build(data_batch=data_batch)
 
 
+def epoch_element_spec(epoch_iterator):
+    """One replica's element spec of a Keras TF epoch iterator's input, or None.
+
+    Reads `TFEpochIterator._distributed_dataset` (Keras 3.5 to 3.15) and unwraps
+    `PerReplicaSpec` (TF 2.16 to 2.21) to its first replica's spec. None when the
+    iterator has no such dataset (another input kind): the caller then reads a batch.
+    """
+    dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+    from tensorflow.python.distribute.values import PerReplicaSpec
+
+    def first(s):
+        return s._value_specs[0] if isinstance(s, PerReplicaSpec) else s
+
+    return tf.nest.map_structure(first, spec)
+
+
 def resume_epoch(model, initial_epoch: int) -> int:
     """The epoch to start at: BackupAndRestore's restored epoch, else `initial_epoch`."""
     return model._initial_epoch or initial_epoch
