@@ -11,8 +11,14 @@ PYTEST_ARGS ?=
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -e '.[test,legacy,bench]'
+	$(PY) -m pip install --quiet -e '.[test,legacy]'
 	@touch $(STAMP)
+
+# The benchmarks' extra (PyTorch's CPU wheel for the DDP comparison), only for `make bench`.
+BENCH_STAMP := $(VENV)/.tfdist-bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	@touch $(BENCH_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/tfdist demo
@@ -29,7 +35,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not cluster" $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(BENCH_STAMP)
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 lint: $(STAMP)

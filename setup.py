@@ -29,7 +29,8 @@ setup(
     extras_require={
         "legacy": ["tf-keras>=2.16"],
         "test": ["pytest>=7", "pytest-xdist>=3", "tf-keras>=2.16", "tensorboard", "ruff"],
-        "bench": ["psutil"],
+        # torch: PyTorch DDP in benchmarks/vs_ddp.py (the CPU wheel; skipped there when absent).
+        "bench": ["psutil", "torch==2.13.0"],
     },
     entry_points={"console_scripts": ["tfdist=tfdist.cli:main"]},
     classifiers=[

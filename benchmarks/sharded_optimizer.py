@@ -1,27 +1,40 @@
-"""Memory per device and step time: mirrored against the sharded optimizer (ZeRO stages 1 and 2).
+"""Peak memory: mirrored against the sharded optimizer (ZeRO stages 1 and 2), at N = 2 and 4.
 
-    python benchmarks/sharded_optimizer.py [--replicas 4] [--batch 64] [--steps 8]
+    python benchmarks/sharded_optimizer.py [--replicas 2 4] [--batch 64] [--steps 3] [--width 2048]
+                                           [--bucket-bytes B]
 
-A digits classifier of 10.77M parameters (64 -> 4096 -> 2048 -> 1024 -> 10,
-ReLU), Adam, trained with Keras `fit` on the bundled digits on `--replicas`
-logical CPU devices under mirrored, sharded_optimizer stage 1 and stage 2.
-Each configuration runs in its own process, so its peak resident memory
-(`ru_maxrss`) is its own.
+An MLP of three `--width` hidden layers (64 -> W -> W -> W -> 10, ReLU;
+8.55M parameters at W = 2048), trained with Keras `fit` on random digits-
+shaped data under mirrored with SGD (the baseline: weights, gradients and the
+step, no optimizer state), mirrored with Adam, and sharded_optimizer stage 1
+and stage 2 with Adam, on N logical devices. Every configuration runs in its
+own process, so each peak is its own.
 
-Reported per configuration:
+What is measured:
 
-* bytes per device, measured by `tfdist.memory_report` from the variables
-  the model holds (weights, optimizer state, parameter shard) and the reduced
-  gradient each replica receives per step;
-* the ZeRO formula beside it: for float32 Adam (what runs here: 4 bytes of
-  weights, 4 of gradient, 8 of Adam state and, sharded, 4 of parameter
-  shard per parameter) and the paper's mixed-precision figures (16, 4 + 12/N,
-  2 + 14/N bytes per parameter; Rajbhandari et al. 2020);
-* the process's peak resident memory (all N logical devices share one host);
-* the median step time after `--warmup` steps, and its ratio to mirrored.
+* on GPU: TensorFlow's allocator peak per device
+  (`tf.config.experimental.get_memory_info(device)["peak"]`), the largest
+  over the replicas' devices;
+* on CPU, in two runs of each configuration: the process's peak resident
+  memory (`VmHWM` in /proc/self/status, `ru_maxrss` where there is no
+  /proc), and the peak of TensorFlow's CPU allocator (the bytes of tensors
+  and variables alive at once), read with `get_memory_info("CPU:0")` in a
+  run with `TF_CPU_ALLOCATOR_USE_BFC=true` (the one allocator every logical
+  CPU device of the process uses). Resident memory also holds the graphs,
+  the runtime and what the C allocator keeps after tensors are freed; the
+  allocator peak is the tensors alone. All N logical devices share the one
+  process, so each growth above the baseline is N devices' worth.
 
-Prints a table and writes benchmarks/results/sharded_optimizer.json. Never
-asserts.
+Reported beside it: the growth above the same N's SGD baseline, its ratio to
+mirrored Adam's growth, and ZeRO's accounting per device (Rajbhandari et al.
+2020, float32 as run here): mirrored 4Φ weights + 4Φ gradients + 8Φ Adam =
+16Φ; stage 1 4Φ + 4Φ + 8Φ/N; stage 2 4Φ + 12Φ/N; (stage 3 16Φ/N, not built),
+plus buffers; the baseline is 8Φ. `tfdist.memory_report`'s per-kind bytes of
+the variables are recorded in the JSON.
+
+A run that cannot measure (a child that fails, no peak reported) stops the
+benchmark with an error naming it. Prints a table and writes
+benchmarks/results/sharded_optimizer.json. Never asserts.
 """
 
 from __future__ import annotations
@@ -35,131 +48,188 @@ import sys
 import common  # noqa: E402 (benchmarks/common.py, beside this script)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = [("mirrored", None), ("sharded_optimizer", 1), ("sharded_optimizer", 2)]
-LAYERS = (4096, 2048, 1024)
+# (label, strategy, stage, optimizer)
+CONFIGS = [
+    ("sgd baseline", "mirrored", None, "sgd"),
+    ("mirrored", "mirrored", None, "adam"),
+    ("stage 1", "sharded_optimizer", 1, "adam"),
+    ("stage 2", "sharded_optimizer", 2, "adam"),
+]
 
 
-def run_one(name: str, stage, replicas: int, batch: int, steps: int, warmup: int) -> dict:
-    """Runs in the child process: one configuration, returns its measurements."""
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size: VmHWM, else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
-    import time
 
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_one(
+    strategy_name: str, stage, optimizer: str, replicas: int, batch: int, steps: int, width: int, measure: str
+) -> dict:
+    """Runs in the child process: one configuration, returns its measurements."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, os.path.dirname(HERE))
+    import tensorflow as tf
+
     import tfdist
 
-    tfdist.configure_local_devices(replicas)
+    on_gpu = bool(tf.config.list_physical_devices("GPU"))
+    if not on_gpu:
+        tfdist.configure_local_devices(replicas)
     import keras
     import numpy as np
 
-    x, y = tfdist.datasets.load_digits()
-    n = batch * (steps + warmup)
-    repeat = -(-n // len(x))
-    x, y = np.concatenate([x] * repeat)[:n], np.concatenate([y] * repeat)[:n]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch * steps, 64)).astype("float32")
+    y = rng.integers(0, 10, batch * steps).astype("int32")
     options = {"stage": stage} if stage else {}
-    strategy = tfdist.get_strategy(name, **options)
+    if on_gpu:
+        options["devices"] = [f"/gpu:{i}" for i in range(replicas)]
+    strategy = tfdist.get_strategy(strategy_name, **options)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
             [keras.Input((64,))]
-            + [keras.layers.Dense(width, activation="relu") for width in LAYERS]
+            + [keras.layers.Dense(width, activation="relu") for _ in range(3)]
             + [keras.layers.Dense(10)]
         )
         model.compile(
-            optimizer=keras.optimizers.Adam(1e-4),
+            optimizer=keras.optimizers.Adam(1e-4) if optimizer == "adam" else keras.optimizers.SGD(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-
-    times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     report = tfdist.memory_report(model)
-    timed = sorted(times[warmup:])
-    return {
-        "strategy": name,
+    result = {
+        "strategy": strategy_name,
         "stage": stage,
+        "optimizer": optimizer,
         "parameters": int(sum(int(np.prod(v.shape)) for v in model.trainable_variables)),
         "replicas": strategy.num_replicas_in_sync,
         "per_device": report,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "step_seconds_median": timed[len(timed) // 2],
-        "step_seconds": times,
     }
+    if on_gpu:
+        peaks = [entry.get("peak") for entry in report.values()]
+        if not peaks or any(p is None for p in peaks):
+            raise RuntimeError(f"TensorFlow reported no allocator peak for some device: {report}")
+        result.update(measure="peak per device (GPU allocator)", peak_bytes=max(peaks))
+    elif measure == "allocator":
+        result.update(measure="TensorFlow CPU allocator peak", peak_bytes=tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    else:
+        result.update(measure="process peak RSS (CPU)", peak_bytes=peak_rss_bytes())
+    return result
 
 
 def formulas(params: int, n: int) -> dict:
-    """Bytes per device predicted by the ZeRO accounting (paper: mixed precision; here: float32)."""
+    """Bytes per device by ZeRO's accounting, float32 Adam (the baseline: SGD, no state)."""
+    p = params
     return {
-        "mirrored": {"float32": 16 * params, "paper_mixed_precision": 16 * params},
-        "stage1": {"float32": 8 * params + 12 * params / n, "paper_mixed_precision": 4 * params + 12 * params / n},
-        "stage2": {"float32": 4 * params + 16 * params / n, "paper_mixed_precision": 2 * params + 14 * params / n},
+        "sgd baseline": 8 * p,
+        "mirrored": 16 * p,
+        "stage 1": 8 * p + 8 * p / n,
+        "stage 2": 4 * p + 12 * p / n,
+        "stage 3": 16 * p / n,
     }
+
+
+def run_child(config: tuple, replicas: int, args, measure: str) -> dict:
+    label, name, stage, optimizer = config
+    cmd = [
+        sys.executable, __file__, "--child", name, str(stage or 0), optimizer, measure,
+        "--replicas", str(replicas), "--batch", str(args.batch), "--steps", str(args.steps),
+        "--width", str(args.width),
+    ]
+    env = dict(os.environ)
+    if args.bucket_bytes is not None:
+        env["TFDIST_BUCKET_BYTES"] = str(args.bucket_bytes)
+    if measure == "allocator":
+        env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(
+            f"{label} at N={replicas} could not be measured (exit {out.returncode}):\n{out.stderr[-3000:]}"
+        )
+    run = json.loads(out.stdout.strip().splitlines()[-1])
+    if not run.get("peak_bytes"):
+        raise SystemExit(f"{label} at N={replicas} reported no peak ({measure}): {run}")
+    run["label"] = label
+    return run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--child", nargs=2, metavar=("NAME", "STAGE"), help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--bucket-bytes", type=int, default=None, help="step option bucket_bytes (default: tfdist's)")
+    parser.add_argument("--child", nargs=4, metavar=("NAME", "STAGE", "OPTIMIZER", "MEASURE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        name, stage = args.child[0], int(args.child[1]) or None
-        print(json.dumps(run_one(name, stage, args.replicas, args.batch, args.steps, args.warmup)))
+        name, stage, optimizer, measure = args.child[0], int(args.child[1]) or None, args.child[2], args.child[3]
+        replicas = args.replicas[0]
+        print(json.dumps(run_one(name, stage, optimizer, replicas, args.batch, args.steps, args.width, measure)))
         return
 
-    runs = []
-    for name, stage in CONFIGS:
-        cmd = [sys.executable, __file__, "--child", name, str(stage or 0), "--replicas", str(args.replicas),
-               "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            print(f"{name} stage={stage} failed:\n{out.stderr[-3000:]}")
-            continue
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    if not runs:
-        return
-    params, n = runs[0]["parameters"], runs[0]["replicas"]
-    predicted = formulas(params, n)
-    base_time = next((r["step_seconds_median"] for r in runs if r["strategy"] == "mirrored"), None)
     mib = 1024 * 1024
-    print(f"{params / 1e6:.2f}M parameters, Adam, {n} replicas on logical CPU devices, global batch {args.batch}")
-    header = (
-        f"{'run':<9} {'weights':>9} {'opt state':>10} {'param shard':>12} {'grad bufs':>10} "
-        f"{'total':>9} {'fp32 formula':>13} {'paper (mp)':>11} {'peak RSS':>9} {'step s':>7} {'ratio':>6}"
-    )
-    print("bytes per device, MiB (device 1; every device measures the same)")
-    print(header)
-    for run in runs:
-        key = "mirrored" if run["strategy"] == "mirrored" else f"stage{run['stage']}"
-        device = sorted(run["per_device"])[min(1, len(run["per_device"]) - 1)]
-        d = run["per_device"][device]
-        ratio = run["step_seconds_median"] / base_time if base_time else float("nan")
-        run["label"] = key
-        run["formula_bytes_per_device"] = predicted[key]
-        run["step_time_ratio_to_mirrored"] = ratio
-        print(
-            f"{key:<9} {d['weights'] / mib:>9.1f} {d['optimizer_state'] / mib:>10.1f} "
-            f"{d['parameter_shard'] / mib:>12.1f} {d['gradient_buffers'] / mib:>10.1f} {d['total'] / mib:>9.1f} "
-            f"{predicted[key]['float32'] / mib:>13.1f} {predicted[key]['paper_mixed_precision'] / mib:>11.1f} "
-            f"{run['peak_rss_bytes'] / mib:>9.0f} {run['step_seconds_median']:>7.3f} {ratio:>6.2f}"
-        )
+    import tensorflow as tf
+
+    on_gpu = bool(tf.config.list_physical_devices("GPU"))
+    measures = ["device"] if on_gpu else ["rss", "allocator"]
+    rows = []
+    for n in args.replicas:
+        measured = {m: {c[0]: run_child(c, n, args, m) for c in CONFIGS} for m in measures}
+        first = measured[measures[0]]
+        predicted = formulas(first["mirrored"]["parameters"], n)
+        for label in first:
+            row = {"label": label, "replicas": n, "parameters": first[label]["parameters"],
+                   "per_device": first[label]["per_device"], "formula_bytes_per_device": predicted[label],
+                   "formula_ratio_to_mirrored": predicted[label] / predicted["mirrored"],
+                   "formula_growth_ratio_to_mirrored": (predicted[label] - predicted["sgd baseline"])
+                   / (predicted["mirrored"] - predicted["sgd baseline"])}
+            for m in measures:
+                base = measured[m]["sgd baseline"]["peak_bytes"]
+                mirrored_growth = measured[m]["mirrored"]["peak_bytes"] - base
+                growth = measured[m][label]["peak_bytes"] - base
+                row[m] = {"measure": measured[m][label]["measure"], "peak_bytes": measured[m][label]["peak_bytes"],
+                          "growth_bytes": growth, "growth_ratio_to_mirrored": growth / mirrored_growth}
+            rows.append(row)
     print(
-        "grad bufs: the reduced gradient a replica receives per step. On CPU, TensorFlow 2.21 has no "
-        "reduce-scatter kernel, so stage 2 reduces in chunked all-reduces and receives the whole "
-        "(padded) gradient transiently, like stage 1; the float32 formula assumes a true reduce-scatter."
+        f"{rows[0]['parameters'] / 1e6:.2f}M parameters, 3 x {args.width} MLP, Adam, global batch {args.batch}, "
+        f"{args.steps} steps, bucket_bytes {args.bucket_bytes or 'default (25 MiB)'}; peaks in MiB, "
+        "growth above the same N's mirrored-SGD baseline"
+    )
+    header = f"{'run':<13} {'N':>2}"
+    for m in measures:
+        header += f" {m + ' peak':>15} {'growth':>8} {'/mirrored':>9}"
+    print(header + f" {'formula/dev':>12} {'/mirrored':>9} {'growth/mirr':>12}")
+    for row in rows:
+        line = f"{row['label']:<13} {row['replicas']:>2}"
+        for m in measures:
+            r = row[m]
+            line += f" {r['peak_bytes'] / mib:>15.0f} {r['growth_bytes'] / mib:>8.1f} {r['growth_ratio_to_mirrored']:>9.2f}"
+        line += (
+            f" {row['formula_bytes_per_device'] / mib:>12.1f} {row['formula_ratio_to_mirrored']:>9.2f}"
+            f" {row['formula_growth_ratio_to_mirrored']:>12.2f}"
+        )
+        print(line)
+    print(
+        "formula: ZeRO's bytes per device (fp32 Adam: mirrored 16Φ, stage 1 8Φ+8Φ/N, stage 2 4Φ+12Φ/N, "
+        "baseline 8Φ), without buffers; growth/mirr: (formula - 8Φ) / 8Φ (stage 2 is negative where its "
+        "4Φ(1-1/N) gradient saving exceeds its 8Φ/N Adam state; TensorFlow's backward pass still holds every "
+        "local gradient, in the baseline too)."
     )
     common.write_results(
         "sharded_optimizer",
-        {"batch": args.batch, "steps": args.steps, "warmup": args.warmup, "runs": runs},
+        {"batch": args.batch, "steps": args.steps, "width": args.width, "bucket_bytes": args.bucket_bytes,
+         "runs": rows},
     )
 
 

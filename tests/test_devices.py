@@ -63,7 +63,37 @@ def test_central_storage_parameter_device_is_checked():
 
 
 def test_duplicate_and_malformed_devices():
-    with pytest.raises(ValueError, match=r"^Argument 'devices' names a device twice. Received: \['/cpu:1', '/CPU:1'\]$"):
+    with pytest.raises(tfdist.OptionError) as e:
         check_devices(["/cpu:1", "/CPU:1"])
-    with pytest.raises(ValueError, match=r"^Argument 'devices' holds a device string without a device type"):
+    assert str(e.value) == (
+        "Argument 'devices' names a device twice: '/cpu:1' (/device:CPU:1); list each device once. "
+        "Received: ['/cpu:1', '/CPU:1']"
+    )
+    with pytest.raises(tfdist.OptionError, match=r"^Argument 'devices' holds a device string without a device type"):
         check_devices(["/job:worker"])
+
+
+def test_unknown_and_duplicate_devices_of_a_strategy_are_option_errors():
+    with pytest.raises(tfdist.OptionError) as e:
+        tfdist.get_strategy("mirrored", devices=["/cpu:0", "/gpu:7"])
+    assert str(e.value).startswith("Device '/gpu:7' in argument 'devices' does not exist on this host.")
+    with pytest.raises(tfdist.OptionError) as e:
+        tfdist.get_strategy("mirrored", devices=["/cpu:0", "/cpu:0"])
+    assert str(e.value) == (
+        "Argument 'devices' names a device twice: '/cpu:0' (/device:CPU:0); list each device once. "
+        "Received: ['/cpu:0', '/cpu:0']"
+    )
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5"])
+def test_tfdist_local_devices_that_is_not_a_count_names_the_variable(raw):
+    done = subprocess.run(
+        [sys.executable, "-c", "import tfdist"], capture_output=True, text=True, timeout=120,
+        env={**__import__("os").environ, "TFDIST_LOCAL_DEVICES": raw},
+    )
+    assert done.returncode == 1
+    assert done.stderr.rstrip().splitlines()[-1] == (
+        "tfdist.options.OptionError: Environment variable TFDIST_LOCAL_DEVICES must be a positive integer "
+        "(logical devices to split each physical device into, e.g. TFDIST_LOCAL_DEVICES=2), or unset. "
+        f"Received: TFDIST_LOCAL_DEVICES={raw!r}"
+    )

@@ -374,3 +374,26 @@ def test_integer_layer_state_counts_steps_as_on_one_device(name, aggregation, da
     model.fit(x[:256], y[:256], batch_size=32, epochs=2, verbose=0)
     assert counter.calls.value.aggregation == aggregation
     assert [int(c) for c in _state_copies(counter.calls)] == [16] * (1 if name == "central_storage" else 2)
+
+
+@pytest.mark.parametrize("name", ["mirrored", "central_storage"])
+def test_a_failed_load_leaves_the_model_as_it_was_and_prints_no_tensor(name, tmp_path):
+    # Keras loads layer by layer and raises at the end: the first layer of this
+    # checkpoint fits, the second does not. Under tfdist nothing is overwritten,
+    # and the error names the variable without printing its values.
+    keras.utils.set_random_seed(1)
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    path = str(tmp_path / "other.weights.h5")
+    other.save_weights(path)
+    with strategy_for(name, 2).scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(5)])
+        model.compile("adam", "mse")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError) as info:
+        model.load_weights(path)
+    message = str(info.value)
+    assert "variable.shape=(3, 5), Received: value.shape=(3, 2)" in message
+    assert f"Target variable: <Variable path={model.layers[1].kernel.path}, shape=(3, 5), dtype=float32>" in message
+    assert "value=[" not in message
+    for kept, now in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(kept, now)

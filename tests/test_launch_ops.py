@@ -387,6 +387,23 @@ def test_the_command_keeps_its_own_flags_after_dashes(tmp_path, capsys):
     assert capsys.readouterr().out == "[worker:0] args ['--workers', '7', '--', 'x']\n"
 
 
+def test_startup_timeout_flag_reaches_every_task(tmp_path, capsys):
+    from tfdist.cli import main
+
+    command = script(tmp_path, "print('startup', os.environ['TFDIST_STARTUP_TIMEOUT'])\n")
+    assert main(["launch", "--workers", "2", "--startup-timeout", "45", "--", *command]) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[worker:0] startup 45", "[worker:1] startup 45"]
+
+
+def test_a_startup_timeout_that_is_not_positive_is_a_usage_error(capsys):
+    from tfdist.cli import main
+
+    assert main(["launch", "--workers", "2", "--startup-timeout", "0", "--", sys.executable, "-c", "pass"]) == 2
+    assert capsys.readouterr().err == (
+        "tfdist launch: --startup-timeout must be a number of seconds > 0. Received: --startup-timeout 0\n"
+    )
+
+
 HELP_WITHOUT_PACKAGE_INIT = textwrap.dedent(f"""
     import sys, types
     # tfdist/__init__.py imports TensorFlow; the launcher's own modules must not.
@@ -409,17 +426,50 @@ def test_launch_help_needs_neither_tensorflow_nor_keras():
     assert done.stdout.splitlines()[-1] == "tensorflow imported: False keras imported: False"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tfdist/__init__.py imports TensorFlow, and `tfdist launch` (console script tfdist.cli:main) "
-    "imports the package first; needs a lazy tfdist/__init__ (issue 15, item 7)"))
-def test_tfdist_launch_help_does_not_import_tensorflow():
-    done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "from tfdist.cli import main; main(['launch', '--help'])"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )
+@pytest.mark.parametrize("command", [
+    ["-c", "from tfdist.cli import main; main(['launch', '--help'])"],  # the `tfdist` console script
+    ["-m", "tfdist", "launch", "--help"],
+])
+def test_tfdist_launch_help_does_not_import_tensorflow(command):
+    done = subprocess.run([sys.executable, "-X", "importtime", *command], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
     imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
-    assert "--all-progress" in done.stdout
-    assert "tensorflow" not in imported
+    assert "--all-progress" in done.stdout and "--startup-timeout S" in done.stdout
+    assert [m for m in imported if m.split(".")[0] in ("tensorflow", "keras")] == []
+
+
+def test_the_package_loads_on_first_use_and_installs_the_keras_hooks_before_any_strategy():
+    code = textwrap.dedent("""
+        import sys
+        import tfdist
+        print("after import:", "tensorflow" in sys.modules)
+        strategy = tfdist.get_strategy("mirrored")
+        from tfdist import keras_integration
+        print("after get_strategy:", "tensorflow" in sys.modules, keras_integration._installed)
+        print(tfdist.strategy_names() == tfdist.registry.strategy_names(), tfdist.OptionError.__module__)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.stdout.splitlines() == [
+        "after import: False",
+        "after get_strategy: True True",
+        "True tfdist.options",
+    ], done.stderr[-2000:]
+
+
+def test_a_strategy_class_imported_from_its_module_still_installs_the_hooks():
+    # No `tfdist.<name>` is touched: constructing the strategy loads the package.
+    code = textwrap.dedent("""
+        from tfdist.strategies.mirrored import MirroredStrategy
+        import keras, numpy as np
+        with MirroredStrategy(["/cpu:0"]).scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            model.compile("sgd", "mse")
+        model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
+        from tfdist import keras_integration
+        print(keras_integration._installed, model.train_function.__module__)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.stdout.splitlines() == ["True tfdist.engine.loop"], done.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------

@@ -26,7 +26,8 @@ LAYERS = {
     "tfdist.collectives": 2, "tfdist.data": 2,
     "tfdist.engine": 3,
     "tfdist.strategies": 4,
-    "tfdist.precision": 5, "tfdist.memory": 5, "tfdist.keras_integration": 5, "tfdist.estimator": 5,
+    "tfdist.precision": 5, "tfdist.memory": 5, "tfdist.keras_integration": 5, "tfdist.checkpointing": 5,
+    "tfdist.estimator": 5,
     "tfdist.registry": 5, "tfdist.launch": 5, "tfdist.demo": 6, "tfdist.cli": 6, "tfdist": 7,
 }
 

@@ -6,6 +6,7 @@ import keras
 
 import tfdist
 from tests.conftest import DEVICES, build_model
+from tfdist import memory
 
 # Dense(64 -> 32) and Dense(32 -> 10): kernels and biases.
 PARAMETERS = 64 * 32 + 32 + 32 * 10 + 10
@@ -59,5 +60,41 @@ def test_sharded_optimizer_splits_the_adam_state_into_even_slices():
     for entry in report.values():
         assert entry["weights"] == 4 * PARAMETERS
         assert entry["optimizer_state"] == 2 * 4 * shard + SCALARS
-        assert entry["parameter_shard"] == 4 * shard
+        assert entry["parameter_shard"] == 0  # no float32 copy of the slice of float32 weights
         assert entry["gradient_buffers"] == 4 * PARAMETERS  # stage 1 all-reduces the whole gradient
+        assert entry["peak"] is None  # CPU: TensorFlow keeps no per-device allocator statistics
+
+
+def test_sharded_stage_2_holds_its_gradient_slice_and_two_buckets():
+    # 2410 parameters on 4 replicas in 1024-byte buckets: 10 buckets of 4 chunks of 61.
+    strategy = tfdist.get_strategy("sharded_optimizer", stage=2, devices=DEVICES[4], bucket_bytes=1024)
+    report = tfdist.memory_report(built(strategy, keras.optimizers.Adam))
+    for entry in report.values():
+        assert entry["optimizer_state"] == 2 * 4 * 610 + SCALARS
+        assert entry["gradient_buffers"] == 4 * (610 + 2 * 4 * 61)
+
+
+def test_cpu_devices_report_no_measured_peak():
+    report = tfdist.memory_report(built(tfdist.get_strategy("mirrored", devices=DEVICES[2])))
+    assert [entry["peak"] for entry in report.values()] == [None, None]
+    assert all(entry["total"] == entry["weights"] + entry["optimizer_state"] + entry["gradient_buffers"]
+               for entry in report.values())
+
+
+def test_measured_peak_is_the_allocator_peak_of_local_gpu_and_tpu_devices():
+    asked = []
+
+    def memory_info(device):
+        asked.append(device)
+        return {"current": 10, "peak": 123}
+
+    assert memory.measured_peak("/device:GPU:1", memory_info) == 123
+    assert memory.measured_peak("/job:localhost/replica:0/task:0/device:TPU:0", memory_info) == 123
+    assert memory.measured_peak("/device:CPU:0", memory_info) is None
+    assert memory.measured_peak("/job:worker/replica:0/task:1/device:GPU:0", memory_info) is None
+    assert asked == ["GPU:1", "TPU:0"]
+
+    def no_statistics(device):
+        raise ValueError(f"No memory info for {device}")
+
+    assert memory.measured_peak("/device:GPU:0", no_statistics) is None

@@ -130,3 +130,26 @@ def test_missing_preset_file_is_named(tmp_path):
     with pytest.raises(tfdist.PresetError) as e:
         tfdist.from_config(str(tmp_path / "nope.toml"))
     assert str(e.value) == f"{tmp_path / 'nope.toml'}: preset file not found."
+
+
+def test_preset_path_that_is_a_directory_is_named(tmp_path):
+    with pytest.raises(tfdist.PresetError) as e:
+        tfdist.from_config(str(tmp_path))
+    assert str(e.value) == f"{tmp_path}: is a directory; a preset is one TOML file, e.g. {tmp_path / 'mirrored.toml'}."
+
+
+@pytest.mark.parametrize("value, shown", [(None, "None (type NoneType)"), (3, "3 (type int)")])
+def test_preset_that_is_neither_path_nor_mapping_is_refused(value, shown):
+    with pytest.raises(tfdist.PresetError) as e:
+        tfdist.from_config(value)
+    assert str(e.value) == (
+        "A preset must be the path of a TOML file (e.g. 'strategies/mirrored.toml') or a mapping such "
+        f"as {{'strategy': 'mirrored'}}. Received: {shown}"
+    )
+
+
+@pytest.mark.parametrize("stage", ["1", True, 3])
+def test_a_stage_that_is_not_1_or_2_is_an_option_error(stage):
+    with pytest.raises(OptionError) as e:
+        tfdist.get_strategy("sharded_optimizer", stage=stage)
+    assert str(e.value) == f"Argument 'stage' must be 1 or 2. Received: stage={stage!r}"

@@ -12,36 +12,109 @@ with strategy.scope():
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
 model.fit(x, y, batch_size=64, epochs=3)
 ```
+
+`import tfdist` itself loads neither TensorFlow nor Keras, so that the
+`tfdist` command (`tfdist launch --help`, the launcher's own process) starts
+at once. The first use of any other name of the package (`tfdist.get_strategy`,
+`tfdist.strategies`, `from tfdist import data`, ...) loads it whole and
+installs tfdist's Keras hooks, before the strategy that needs them exists.
+`tfdist.cli`, `tfdist.launch`, `tfdist.cluster` and `tfdist.options` load
+alone, without TensorFlow. With `TFDIST_LOCAL_DEVICES` set, `import tfdist`
+loads everything at once, as the devices must be split before TensorFlow
+initialises them.
 """
 
 from __future__ import annotations
 
+import importlib as _importlib
 import os as _os
 
 __version__ = "0.1.0"
 
-from tfdist.devices import configure_local_devices  # noqa: E402
+# Modules that import no TensorFlow: reached without loading the package.
+_LIGHT_MODULES = ("cli", "launch", "cluster", "options")
 
-if _os.environ.get("TFDIST_LOCAL_DEVICES"):
-    configure_local_devices(int(_os.environ["TFDIST_LOCAL_DEVICES"]))
+# Every public name, and the module that defines it.
+_PUBLIC = {
+    "ClusterConfigError": "tfdist.cluster",
+    "OptionError": "tfdist.options",
+    "PresetError": "tfdist.registry",
+    "TrainingOptions": "tfdist.options",
+    "configure_local_devices": "tfdist.devices",
+    "from_config": "tfdist.registry",
+    "get_strategy": "tfdist.registry",
+    "memory_report": "tfdist.memory",
+    "register": "tfdist.registry",
+    "strategy_names": "tfdist.registry",
+}
 
-from tfdist import cluster, data, datasets, options, strategies  # noqa: E402
-from tfdist import keras_integration as _keras_integration  # noqa: E402
-from tfdist.cluster import ClusterConfigError  # noqa: E402
-from tfdist.memory import memory_report  # noqa: E402
-from tfdist.options import OptionError, TrainingOptions  # noqa: E402
-from tfdist.registry import PresetError, from_config, get_strategy, register, strategy_names  # noqa: E402
+_loaded = False
 
-_keras_integration.install()
+
+def _local_devices_from_environment() -> int:
+    raw = _os.environ["TFDIST_LOCAL_DEVICES"]
+    count = int(raw.strip()) if raw.strip().isdigit() else 0
+    if count < 1:
+        from tfdist.options import OptionError
+
+        raise OptionError(
+            "Environment variable TFDIST_LOCAL_DEVICES must be a positive integer (logical devices "
+            "to split each physical device into, e.g. TFDIST_LOCAL_DEVICES=2), or unset. "
+            f"Received: TFDIST_LOCAL_DEVICES={raw!r}"
+        )
+    return count
+
+
+def _load() -> None:
+    """Imports the whole package and installs the Keras hooks, once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True  # the imports below reach `__getattr__` again
+    try:
+        if _os.environ.get("TFDIST_LOCAL_DEVICES"):
+            count = _local_devices_from_environment()
+            _importlib.import_module("tfdist.devices").configure_local_devices(count)
+        for module in ("cluster", "options", "data", "datasets", "strategies", "registry", "memory"):
+            _importlib.import_module(f"tfdist.{module}")
+        _importlib.import_module("tfdist.keras_integration").install()
+    except BaseException:
+        _loaded = False
+        raise
+
+
+def install_hooks() -> None:
+    """Loads the whole package and installs tfdist's Keras hooks; idempotent.
+
+    Done on the first use of any name of the package and whenever a tfdist
+    strategy is constructed, so a script that imports a strategy class from
+    its module (`from tfdist.strategies.mirrored import MirroredStrategy`)
+    gets the hooks too; calling it yourself is never needed.
+    """
+    _load()
 
 
 def __getattr__(name: str):
-    # `tfdist.estimator` (the Estimator-style runner) is imported on first use.
-    if name == "estimator":
-        import importlib
+    if name.startswith("__"):
+        raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+    module = _PUBLIC.get(name, f"tfdist.{name}")
+    if module.split(".")[1] not in _LIGHT_MODULES:
+        _load()
+    try:
+        found = _importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise AttributeError(f"module 'tfdist' has no attribute {name!r}") from None
+    return getattr(found, name) if name in _PUBLIC else found
 
-        return importlib.import_module("tfdist.estimator")
-    raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({name for name in globals() if not name.startswith("_")} | set(__all__))
+
+
+if _os.environ.get("TFDIST_LOCAL_DEVICES"):
+    _load()
 
 __all__ = [
     "ClusterConfigError",
@@ -55,6 +128,7 @@ __all__ = [
     "estimator",
     "from_config",
     "get_strategy",
+    "install_hooks",
     "memory_report",
     "options",
     "register",

@@ -16,10 +16,17 @@ config.task_type, config.task_id, config.num_workers
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import faulthandler
 import json
 import os
-from typing import Any, Mapping, Optional, Union
+import signal
+import socket
+import sys
+import time
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 # Job types TensorFlow's runtime knows. "evaluator" runs beside the job and is
 # usually not listed in the cluster (its task still names it).
@@ -28,6 +35,10 @@ JOB_TYPES = ("chief", "worker", "ps", "evaluator")
 
 class ClusterConfigError(ValueError):
     """The cluster description is invalid; the message names the field, the value and the fix."""
+
+
+class StartupTimeoutError(TimeoutError):
+    """Tasks of a multi-process job did not answer within `startup_timeout`; the message names them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,3 +393,209 @@ def _slurm_resolver(jobs, port_base):
             "with `srun` inside an allocation (sbatch/salloc), which sets SLURM_PROCID, "
             "SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST and SLURM_STEP_TASKS_PER_NODE."
         ) from None
+
+
+# ---------------------------------------------------------------------------
+# Start-up: this task's port, and waiting for the other tasks (issue 15).
+# ---------------------------------------------------------------------------
+
+_FLAG_HINT = "startup_timeout= (tfdist launch --startup-timeout S, environment TFDIST_STARTUP_TIMEOUT)"
+
+
+def task_name(job: str, index: int) -> str:
+    """A task as messages name it, e.g. `worker:1`."""
+    return f"{job}:{index}"
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _listen(port: int) -> socket.socket:
+    """A socket listening on `port` of every interface, as TensorFlow's gRPC server binds it."""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        address: tuple = ("::", port)
+    except OSError:  # no IPv6 on this host
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        address = ("", port)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(64)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _port_in_use(config: ClusterConfig, port: int, source: str) -> ClusterConfigError:
+    me = task_name(config.task_type, config.task_id)
+    return ClusterConfigError(
+        f"{source}: port {port} of this task ({me}, address {config.address!r}) is already in use "
+        "by another process, so its TensorFlow server cannot start. Stop the process that holds it "
+        f"(`ss -ltnp 'sport = :{port}'` shows it), or give {me} a free port in every process's "
+        "TF_CONFIG (`tfdist launch` picks free ports itself)."
+    )
+
+
+def check_port_free(config: ClusterConfig, source: str = "TF_CONFIG") -> None:
+    """Raises `ClusterConfigError` naming this task's port if another process already listens on it.
+
+    TensorFlow's own error for it is `UnknownError: Could not start gRPC
+    server`, without the port.
+    """
+    if config.address is None or config.address in _SERVING:
+        return
+    port = _split(config.address)[1]
+    try:
+        _listen(port).close()
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise _port_in_use(config, port, source) from None
+        raise
+
+
+def _probe(address: str, timeout: float) -> Optional[str]:
+    """None if `address` accepts a TCP connection, else why not, in a few words."""
+    try:
+        host, port = _split(address)
+        socket.create_connection((host, port), timeout=timeout).close()
+        return None
+    except socket.gaierror:
+        return "host not found"
+    except ConnectionRefusedError:
+        return "connection refused"
+    except (socket.timeout, TimeoutError):
+        return "no answer"
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+# Addresses whose TensorFlow server this process started (`mark_serving`).
+_SERVING: set = set()
+
+
+def mark_serving(config: ClusterConfig) -> None:
+    """Records that this process now serves `config`'s task (its server started)."""
+    if config.address is not None:
+        _SERVING.add(config.address)
+
+
+def wait_for_tasks(
+    config: ClusterConfig,
+    timeout: float,
+    tasks: Optional[Sequence[tuple[str, int]]] = None,
+    hold_own_port: bool = True,
+    source: str = "TF_CONFIG",
+    poll_seconds: float = 0.25,
+) -> float:
+    """Waits until every other task of the job accepts a connection; returns the seconds it took.
+
+    TensorFlow's start-up of a multi-process job blocks in C++, holding the
+    GIL, with no timeout of its own that covers a task that never starts: it
+    waited over 11 minutes and ignored SIGTERM and Ctrl-C (issue 15). This
+    wait runs first, in Python, so a signal ends it, and it ends in an error
+    naming the tasks that did not answer. With `hold_own_port`, this task
+    listens on its own port meanwhile, so that peers waiting the same way see
+    it (and so that a port already taken is named at once); the socket is
+    closed before TensorFlow's server binds the port.
+
+    Args:
+        config: this process's `ClusterConfig`.
+        timeout: float. Seconds to wait before giving up.
+        tasks: Optional list of `(job, index)` to wait for; default every
+            other task of the cluster.
+        hold_own_port: bool. Listen on this task's port while waiting.
+        source: str. Where the cluster came from, the prefix of messages.
+        poll_seconds: float. Pause between rounds of connection attempts.
+
+    Raises:
+        StartupTimeoutError: some task did not answer within `timeout`; the
+            message names each with its address and what its address did.
+        ClusterConfigError: this task's port is in use by another process.
+
+    Example:
+
+    ```python
+    config = tfdist.cluster.parse_tf_config()
+    tfdist.cluster.wait_for_tasks(config, timeout=60)
+    ```
+    """
+    start = time.monotonic()
+    if config.address is not None and config.address in _SERVING:
+        # This process already runs the task's server (an earlier strategy of
+        # the same job): its port is its own, and its peers answered then.
+        return 0.0
+    if tasks is None:
+        me = (config.task_type, config.task_id)
+        tasks = [(job, i) for job, addrs in config.cluster.items() for i in range(len(addrs)) if (job, i) != me]
+    pending = {task_name(job, i): config.cluster[job][i] for job, i in tasks}
+    listener = None
+    if hold_own_port and config.address is not None:
+        port = _split(config.address)[1]
+        try:
+            listener = _listen(port)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise _port_in_use(config, port, source) from None
+            raise
+    why: dict[str, str] = {}
+    try:
+        while pending:
+            for name, address in list(pending.items()):
+                left = timeout - (time.monotonic() - start)
+                reason = _probe(address, timeout=max(0.05, min(1.0, left)))
+                if reason is None:
+                    del pending[name]
+                else:
+                    why[name] = reason
+            if not pending:
+                break
+            if time.monotonic() - start >= timeout:
+                me = task_name(config.task_type, config.task_id)
+                missing = "; ".join(f"{name} at {address} ({why[name]})" for name, address in pending.items())
+                raise StartupTimeoutError(
+                    f"{source}: {me} waited {timeout:g} s (startup_timeout) for the other tasks of the "
+                    f"job, and {len(pending)} of {len(tasks)} never answered: {missing}. Start every "
+                    "task of the job (each runs the same script with its own TF_CONFIG), check their "
+                    f"addresses, or wait longer with {_FLAG_HINT}."
+                )
+            time.sleep(poll_seconds)
+    finally:
+        if listener is not None:
+            listener.close()
+    return time.monotonic() - start
+
+
+@contextlib.contextmanager
+def startup_deadline(seconds: float) -> Iterator[None]:
+    """Ends the process if the block (TensorFlow's blocking start-up) runs longer than `seconds`.
+
+    TensorFlow's start-up call holds the GIL, so no Python code, signal
+    handler included, runs until it returns. Inside the block Ctrl-C
+    (SIGINT) ends the process at once (its default action), and after
+    `seconds` a C thread of `faulthandler` prints `Timeout (h:mm:ss)!` and
+    the Python stack (the TensorFlow call that blocked) to stderr and exits
+    the process with status 1.
+    """
+    armed = False
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+        armed = True
+    except (AttributeError, OSError, ValueError, RuntimeError):  # no stderr file descriptor (a notebook)
+        armed = False
+    previous = None
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        yield
+    finally:
+        if armed:
+            faulthandler.cancel_dump_traceback_later()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)

@@ -23,8 +23,15 @@ import tensorflow as tf
 # Every reduction this module issues is counted at trace time, so tests can
 # assert how many collectives one step contains without timing anything.
 # `all_reduce` counts per replica (each replica traces its own call);
-# `reduce_to` counts once per step (a cross-replica call).
-trace_counter = {"all_reduce": 0, "reduce_to": 0}
+# `reduce_to` counts once per step (a cross-replica call). `all_reduce_bytes`
+# adds up the bytes of the fused buffers each replica hands to its all-reduces
+# (in the wire dtype: `allreduce_dtype`).
+trace_counter = {"all_reduce": 0, "reduce_to": 0, "all_reduce_bytes": 0}
+
+def traced_collective_count() -> int:
+    """Collectives traced so far, of every kind (the counters of `trace_counter` that count calls)."""
+    return sum(v for k, v in trace_counter.items() if not k.endswith("_bytes"))
+
 
 _ONE_COLLECTIVE_PER_BUFFER = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=1)
 
@@ -194,11 +201,14 @@ def rows_shared_by_replicas(g: tf.IndexedSlices, max_ops: int = 64) -> bool:
     return True
 
 
-def all_reduce_sum(values: Sequence, bucket_bytes: int) -> list:
+def all_reduce_sum(values: Sequence, bucket_bytes: int, allreduce_dtype: str = "float32") -> list:
     """Sums `values` over all replicas; call in replica context.
 
     Dense values are fused into buckets of at most `bucket_bytes`; the result
-    has the same structure as `values`, with `None` kept.
+    has the same structure as `values`, with `None` kept. With
+    `allreduce_dtype` "bfloat16" or "float16" (the step option), every
+    float32 bucket crosses devices in that dtype (`compress`), half the bytes,
+    and is cast back to float32 after the sum; sparse rows travel as they are.
     """
     ctx = tf.distribute.get_replica_context()
     if ctx is None:
@@ -208,12 +218,58 @@ def all_reduce_sum(values: Sequence, bucket_bytes: int) -> list:
         return list(values)
     plan = BucketPlan.build(values, bucket_bytes)
     packed = plan.pack(values)
+    wire, restore = compress(packed[:len(plan.buckets)], allreduce_dtype, ctx.num_replicas_in_sync)
+    packed = wire + packed[len(plan.buckets):]
     trace_counter["all_reduce"] += len(packed)
+    trace_counter["all_reduce_bytes"] = trace_counter.get("all_reduce_bytes", 0) + sum(
+        b.num_elements * w.dtype.size for b, w in zip(plan.buckets, wire) if b.fused
+    )
     # TensorFlow's own batching would concatenate every tensor of one call into
     # a single collective (bytes_per_pack=0); a 1-byte pack limit makes it send
     # each of our buffers as it is, so buckets alone decide the fusion.
     reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed, options=_ONE_COLLECTIVE_PER_BUFFER)
-    return plan.unpack(reduced)
+    return plan.unpack(restore(reduced[:len(plan.buckets)]) + list(reduced[len(plan.buckets):]))
+
+
+def compress(buffers: Sequence, allreduce_dtype: str, num_replicas: int):
+    """Casts float32 `buffers` to the wire dtype; returns them and the inverse for their sums.
+
+    Horovod's fp16 compression: a cast before the collective and one after.
+    float16 (largest finite value 65504) is pre-scaled by `1 / num_replicas`
+    so that the sum of every replica's buffer cannot overflow where one
+    buffer does not, and the sum is scaled back in float32. bfloat16 has
+    float32's range and needs no scaling; both keep 8 (bfloat16) or 11
+    (float16) significant bits. Buffers of other dtypes, and everything
+    under "float32", pass unchanged.
+
+    Args:
+        buffers: the packed dense buffers (`BucketPlan.pack`).
+        allreduce_dtype: str. "float32", "bfloat16" or "float16".
+        num_replicas: int. Replicas in the sum.
+
+    Returns:
+        `(wire, restore)`: the buffers to send, and a function from their sums
+        to float32 sums.
+    """
+    dtype = tf.as_dtype(allreduce_dtype)
+    cast = [dtype != tf.float32 and b.dtype == tf.float32 for b in buffers]
+    if not any(cast):
+        return list(buffers), list
+    scale = 1.0 / num_replicas if dtype == tf.float16 else 1.0
+
+    def down(b):
+        return tf.cast(b * scale if scale != 1.0 else b, dtype)
+
+    def restore(sums):
+        out = []
+        for s, was_cast in zip(sums, cast):
+            if was_cast:
+                s = tf.cast(s, tf.float32)
+                s = s * float(num_replicas) if scale != 1.0 else s
+            out.append(s)
+        return out
+
+    return [down(b) if c else b for b, c in zip(buffers, cast)], restore
 
 
 def reduce_to_device(strategy, packed: Sequence, plan: BucketPlan, destination: str) -> list:
@@ -236,41 +292,45 @@ def reduce_to_device(strategy, packed: Sequence, plan: BucketPlan, destination: 
         return plan.unpack([strategy.experimental_local_results(r)[0] for r in reduced])
 
 
-def reduce_scatter_sum(grads: Sequence, layout, bucket_bytes: int):
+def reduce_scatter_sum(grads: Sequence, layout):
     """Sums `grads` over replicas; returns this replica's slice of their flat layout.
 
     Call in replica context. `layout` is the `tfdist.sharding.FlatLayout` of
-    `grads` (one tensor, or `None`, per variable); replica `r` receives
-    elements `layout.shard_range(r)` of the summed, flattened, zero-padded
-    gradient: a float32 vector of `layout.shard_size` elements.
+    `grads` (one tensor, or `None`, per variable); replica `r` receives its
+    slice of the summed, flattened, zero-padded gradient (its chunk of every
+    bucket): a float32 vector of `layout.shard_size` elements.
 
+    It runs bucket by bucket, the last first (backprop order: the last
+    layers' gradients are ready first): bucket `k` is a contiguous range of
+    the flat gradient (`layout.bucket_range(k)`, `N * C` elements, at most the
+    step's `bucket_bytes`), built from the gradients' pieces in it alone,
+    never the whole flat gradient; each replica keeps its own chunk of the
+    sum, copied out so that the bucket is freed. A bucket is built only once
+    the previous one is reduced, so at most two are alive at a time.
     TensorFlow 2.21 has a `CollectiveReduceScatterV2` op but no CPU
     implementation of it ("CollectiveRegistry::Lookup did not find collective
-    implementation", see `tests/strategies/test_sharded_optimizer.py`), so the
-    reduction runs as all-reduces of chunks — each replica's slice, cut into
-    pieces of at most `bucket_bytes` (0: one piece per slice) — and each
-    replica keeps the chunks of its own slice: the result is exactly a
+    implementation", see `tests/strategies/test_sharded_optimizer.py`), so each
+    bucket is summed by one all-reduce: the result is exactly a
     reduce-scatter; the traffic is an all-reduce's.
     """
-    from tfdist.sharding import gather_shard
+    from tfdist.sharding import gather_range
 
     ctx = tf.distribute.get_replica_context()
     if ctx is None:
         raise RuntimeError("reduce_scatter_sum must be called in replica context (inside strategy.run).")
     replica = tf.get_static_value(ctx.replica_id_in_sync_group)
-    step = max(1, bucket_bytes // 4) if bucket_bytes > 0 else layout.shard_size
-    chunks, owners = [], []
-    for shard in range(layout.num_shards):
-        values = gather_shard(layout, grads, shard)
-        for start in range(0, layout.shard_size, step):
-            chunks.append(values[start:start + step] if step < layout.shard_size else values)
-            owners.append(shard)
-    trace_counter["reduce_scatter"] = trace_counter.get("reduce_scatter", 0) + len(chunks)
-    # One collective per chunk, as TensorFlow would otherwise concatenate them all.
-    options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=1)
-    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, chunks, options=options)
-    mine = [r for r, owner in zip(reduced, owners) if owner == replica]
-    return mine[0] if len(mine) == 1 else tf.concat(mine, axis=0)
+    n, c = layout.num_shards, layout.chunk_size
+    mine: dict = {}
+    previous: list = []
+    for k in reversed(range(layout.num_buckets)):
+        with tf.control_dependencies(previous):
+            bucket = gather_range(layout, grads, *layout.bucket_range(k))
+        trace_counter["reduce_scatter"] = trace_counter.get("reduce_scatter", 0) + 1
+        (reduced,) = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [bucket], options=_ONE_COLLECTIVE_PER_BUFFER)
+        # A gather copies the own chunk (a slice could alias the whole bucket's buffer).
+        mine[k] = tf.gather(tf.reshape(reduced, [n, c]), replica)
+        previous = [mine[k]]
+    return mine[0] if len(mine) == 1 else tf.concat([mine[k] for k in range(len(mine))], axis=0)
 
 
 def all_gather_shards(shard):

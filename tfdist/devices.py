@@ -6,6 +6,8 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
+from tfdist.options import OptionError
+
 
 def configure_local_devices(n: int, memory_limit_mb: Optional[int] = None) -> list[str]:
     """Splits the host CPU (or each GPU) into `n` logical devices.
@@ -82,33 +84,39 @@ def default_devices() -> list[str]:
 
 
 def check_devices(devices: Sequence[str], argument: str = "devices") -> list[str]:
-    """Returns canonical names of `devices`, or raises `ValueError` naming the missing one."""
+    """Returns canonical names of `devices`, or raises `OptionError` naming the bad one.
+
+    `OptionError` is a `ValueError`: an invalid or unknown device string, or
+    a device named twice.
+    """
     available = {d.name for d in tf.config.list_logical_devices()}
     canonical = []
     for d in devices:
         try:
             spec = tf.DeviceSpec.from_string(d)
         except ValueError:
-            raise ValueError(
+            raise OptionError(
                 f"Argument '{argument}' holds an invalid device string. "
                 f"Received: {d!r}. Expected strings like '/cpu:0' or '/gpu:1'."
             ) from None
         local = spec.replace(job=None, replica=None, task=None)
         if local.device_type is None:
-            raise ValueError(
+            raise OptionError(
                 f"Argument '{argument}' holds a device string without a device type. "
                 f"Received: {d!r}. Expected strings like '/cpu:0' or '/gpu:1'."
             )
         name = local.replace(device_index=local.device_index or 0).to_string()
         if name not in available and f"/job:localhost/replica:0/task:0{name}" not in available:
-            raise ValueError(
+            raise OptionError(
                 f"Device {d!r} in argument '{argument}' does not exist on this host. "
                 f"Available devices: {sorted(available)}. To get more CPU devices, "
                 "call tfdist.configure_local_devices(n) first in the program."
             )
         canonical.append(name)
     if len(set(canonical)) != len(canonical):
-        raise ValueError(
-            f"Argument '{argument}' names a device twice. Received: {list(devices)}"
+        twice = next(d for d, name in zip(devices, canonical) if canonical.count(name) > 1)
+        raise OptionError(
+            f"Argument '{argument}' names a device twice: {twice!r} ({canonical[devices.index(twice)]}); "
+            f"list each device once. Received: {list(devices)}"
         )
     return canonical

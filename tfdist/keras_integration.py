@@ -28,8 +28,10 @@ import functools
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
+from tfdist import checkpointing
 from tfdist._compat import keras as kc
 from tfdist.strategies.base import add_creation_hook, is_tfdist_strategy
 
@@ -87,9 +89,28 @@ def _patched_compile(original):
             # A strategy that shapes the optimizer (the sharded optimizer) does so here.
             self.distribute_strategy.on_compile(self)
             apply_sink_size(self)
+            # A failed load_weights leaves the model as it was (Keras loads layer
+            # by layer and raises at the end), with no tensor dumped in the error.
+            kc.guard_load_weights(self, lambda: _snapshot_state(self), lambda saved: _restore_state(self, saved))
         return result
 
     return compile
+
+
+def _state_variables(model) -> list:
+    optimizer = model.optimizer
+    extra = list(optimizer.variables) if optimizer is not None and optimizer.built else []
+    return list(model.weights) + extra
+
+
+def _snapshot_state(model) -> list:
+    """Host copies of the model's weights and its optimizer's variables."""
+    return [(v, np.array(v.numpy())) for v in _state_variables(model)]
+
+
+def _restore_state(model, saved: list) -> None:
+    for v, value in saved:
+        v.assign(value)
 
 
 def _patched_make(original, kind: str):
@@ -179,6 +200,8 @@ def install() -> None:
     kc.replace_method(kc.trainer_base_class(), "compile", _patched_compile)
     kc.replace_method(trainer, "make_train_function", lambda original: _patched_make(original, "train"))
     kc.replace_method(trainer, "make_test_function", lambda original: _patched_make(original, "test"))
+    # Checkpoint writes of tfdist models go to a temporary file renamed into place.
+    checkpointing.install()
     if not _hooks_registered:
         add_creation_hook("multi_worker", lambda strategy: redirect_non_chief_writes_in_fit())
         add_creation_hook("parameter_server", lambda strategy: install_parameter_server_fit())
@@ -197,6 +220,7 @@ def uninstall() -> None:
     kc.restore_method(trainer, "make_test_function")
     kc.restore_symbolic_build()
     kc.restore_default_dtype_policy()
+    checkpointing.uninstall()
     _installed = False
 _hooks_registered: list = []
 
@@ -373,21 +397,23 @@ def redirect_non_chief_writes_in_fit() -> None:
 # ---------------------------------------------------------------------------
 
 
-def _is_parameter_server_model(model) -> bool:
+def _host_loop_method(model, method: str):
     strategy = kc.model_strategy(model)
-    return is_tfdist_strategy(strategy) and strategy.asynchronous
+    if not is_tfdist_strategy(strategy):
+        return None
+    return strategy.host_loop.method(method)
 
 
 def _patched_ps(original, method: str):
-    # The hook: a model under a tfdist parameter-server strategy runs tfdist's
-    # host loop; every other model runs Keras's own method, unchanged.
+    # The hook: a model under a strategy whose host loop replaces Keras's
+    # (the parameter server's) runs it; every other model runs Keras's own
+    # method, unchanged.
     @functools.wraps(original)
     def run(self, *args, **kwargs):
-        if not _is_parameter_server_model(self):
+        replacement = _host_loop_method(self, method)
+        if replacement is None:
             return original(self, *args, **kwargs)
-        from tfdist.engine import parameter_server
-
-        return getattr(parameter_server, method)(self, *args, **kwargs)
+        return replacement(self, *args, **kwargs)
 
     return run
 
@@ -425,7 +451,7 @@ def _patched_tape_gradient(original):
         sharded = [kc.holds_shards(s) for s in flat]
         if not any(sharded):
             return original(self, target, sources, *args, **kwargs)
-        from tfdist.engine.parameter_server import regroup
+        from tfdist.engine.step import regroup
 
         parts = [kc.variable_parts(s) if is_sharded_source else [s] for s, is_sharded_source in zip(flat, sharded)]
         grads = original(self, target, [p for ps in parts for p in ps], *args, **kwargs)
@@ -519,8 +545,8 @@ def patch_training_of_sharded_variables() -> None:
 
     * `tf.GradientTape.gradient`: a source that holds shards is replaced by its
       shards (`variable_parts`), and their gradients are regrouped into one
-      gradient of the whole variable (`tfdist.engine.parameter_server.regroup`,
-      as `fit`'s `worker_gradients` does: `IndexedSlices` with the variable's
+      gradient of the whole variable (`tfdist.engine.step.regroup`, as the
+      engine's step does under `fit`: `IndexedSlices` with the variable's
       dense_shape, or a dense tensor). Sources holding no shards: TensorFlow's
       own method, unchanged.
     * `BaseOptimizer.apply` (and so `apply_gradients`): when a variable to

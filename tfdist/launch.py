@@ -656,13 +656,16 @@ def add_arguments(p) -> None:
              "early when a failure repeats with no progress); with --ps, restart a failed worker in place",
     )
     p.add_argument("--timeout", type=float, default=None, help="stop the job after S seconds (exit 124)")
+    p.add_argument("--startup-timeout", type=float, default=None, metavar="S",
+                   help="seconds each task waits at start-up for the others to answer before it fails, "
+                        "naming them (sets TFDIST_STARTUP_TIMEOUT; default 300)")
     p.add_argument("--all-progress", action="store_true",
                    help="show every task's progress bars (default: only the chief's)")
     p.add_argument("--tf-logs", action="store_true",
                    help="keep TensorFlow's start-up messages (default: dropped)")
     p.usage = (
         "tfdist launch --workers N [--chief] [--ps M] [--evaluator] [--restarts K] [--timeout S] "
-        "[--all-progress] [--tf-logs] -- python train.py ARGS"
+        "[--startup-timeout S] [--all-progress] [--tf-logs] -- python train.py ARGS"
     )
     p.epilog = "Signals, restarts and network exposure: docs/operations.md"
 
@@ -675,9 +678,16 @@ def main(args) -> int:
     if not command:
         _say("no command given. Usage: tfdist launch --workers 2 -- python train.py")
         return 2
+    startup = getattr(args, "startup_timeout", None)
+    env = None
+    if startup is not None:
+        if not startup > 0:
+            _say(f"--startup-timeout must be a number of seconds > 0. Received: --startup-timeout {startup:g}")
+            return 2
+        env = {"TFDIST_STARTUP_TIMEOUT": f"{startup:g}"}
     try:
         return run_job(command, args.workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator,
-                       restarts=args.restarts, timeout=args.timeout,
+                       restarts=args.restarts, timeout=args.timeout, env=env,
                        all_progress=getattr(args, "all_progress", False), tf_logs=getattr(args, "tf_logs", False))
     except ValueError as e:
         _say(str(e).replace("Argument 'workers'", "--workers").replace("Argument 'ps'", "--ps")

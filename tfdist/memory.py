@@ -1,4 +1,4 @@
-"""Bytes per device, by kind, measured from the variables a model actually holds."""
+"""Bytes per device, by kind, from the variables a model holds; and the allocator's measured peak."""
 
 from __future__ import annotations
 
@@ -39,21 +39,31 @@ def memory_report(model) -> dict[str, dict[str, int]]:
     * `weights`: the model's variables (trainable and not).
     * `optimizer_state`: the optimizer's variables (slots, iteration count,
       learning rate, EMA averages).
-    * `parameter_shard`: the sharded-optimizer strategy's float32 working
-      slice of the parameters (the "master" slice the optimizer updates);
-      0 elsewhere.
-    * `gradient_buffers`: the reduced gradient each device receives per step
-      from its strategy's collective: the whole gradient under
-      all-reduce (mirrored, sharded stage 1, and sharded stage 2 where
-      reduce-scatter falls back to all-reduce), the summed gradient on the
-      parameter device under central storage. Transient, not variables.
+    * `parameter_shard`: a float32 copy of a replica's slice of the
+      parameters kept between steps (a "master" slice). 0: the sharded
+      optimizer updates the slice it reads from the float32 weights and keeps
+      no copy (it accepts float32 trainable variables only).
+    * `gradient_buffers`: the reduced gradient each device holds per step:
+      the whole gradient under all-reduce (mirrored, sharded stage 1), the
+      summed gradient on the parameter device under central storage; under
+      sharded stage 2, the replica's gradient slice plus the two buckets of
+      the reduce-scatter that can be alive at once. Transient, not variables.
+    * `peak`: measured, not counted: the most bytes TensorFlow's allocator
+      has held on the device (`tf.config.experimental.get_memory_info`) since
+      the process started or `tf.config.experimental.reset_memory_stats`, on
+      GPU and TPU devices of this process; `None` where TensorFlow does not
+      report one (CPU devices, logical ones included, share the host allocator
+      and keep no per-device statistics; measure the process's peak resident
+      memory there, as `benchmarks/sharded_optimizer.py` does), and for
+      devices of other processes. Not part of `total`.
 
     Args:
         model: a built Keras model (compiled if optimizer state should count;
             the optimizer is built by `fit` or `optimizer.build`).
 
     Returns:
-        `{device: {kind: bytes, ..., "total": bytes}}`, devices sorted.
+        `{device: {kind: bytes, ..., "total": bytes, "peak": bytes or None}}`,
+        devices sorted.
 
     Example:
 
@@ -81,30 +91,40 @@ def memory_report(model) -> dict[str, dict[str, int]]:
     optimizer = getattr(model, "optimizer", None)
     sharded = kc.sharded_state(optimizer) if optimizer is not None else None
     count(model.weights, "weights")
-    if sharded is not None and sharded.flat is not None:
-        count([sharded.flat], "parameter_shard")
     if optimizer is not None:
         count(optimizer.variables, "optimizer_state")
     for device, nbytes in _gradient_buffers(model, sharded).items():
         add(device, "gradient_buffers", nbytes)
-    for entry in report.values():
+    for device, entry in report.items():
         entry["total"] = sum(entry[k] for k in KINDS)
+        entry["peak"] = measured_peak(device)
     return dict(sorted(report.items()))
+
+
+def measured_peak(device: str, memory_info=None) -> int | None:
+    """TensorFlow's allocator peak on `device` in bytes, or `None` where it reports none.
+
+    Args:
+        device: a device string as `memory_report` keys it (`"/device:GPU:0"`).
+        memory_info: callable `(device) -> {"current", "peak"}`; default
+            `tf.config.experimental.get_memory_info`.
+    """
+    spec = tf.DeviceSpec.from_string(device)
+    if spec.device_type not in ("GPU", "TPU") or spec.job not in (None, "localhost"):
+        return None
+    memory_info = memory_info or tf.config.experimental.get_memory_info
+    try:
+        return int(memory_info(f"{spec.device_type}:{spec.device_index or 0}")["peak"])
+    except (ValueError, KeyError):  # a device TensorFlow keeps no statistics for
+        return None
 
 
 def _gradient_buffers(model, sharded) -> dict[str, int]:
     strategy = kc.model_strategy(model)
     trainable = model.trainable_variables
     if sharded is not None and sharded.layout is not None:
-        layout = sharded.layout
         devices = [_device(p) for p in _parts(sharded.flat)]
-        if sharded.gradient_buffer_bytes is not None:  # recorded when the step was traced
-            return {d: sharded.gradient_buffer_bytes for d in devices}
-        # Stage 1 all-reduces each gradient; stage 2's reduce-scatter runs as
-        # chunked all-reduces of the padded flat vector (see
-        # tfdist.collectives.reduce_scatter_sum).
-        per_replica = layout.total * 4 if sharded.strategy.stage == 1 else (layout.total + layout.padding) * 4
-        return {d: per_replica for d in devices}
+        return {d: sharded.gradient_buffer_estimate() for d in devices}
     parameter_device = getattr(strategy, "parameter_device", None)
     out: dict[str, int] = {}
     for variable in trainable:

@@ -104,6 +104,8 @@ def _accumulation_steps(v: Any) -> bool:
 
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+# Wire dtypes of the all-reduce (the `allreduce_dtype` step option).
+ALLREDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
 # The step options, shared by every strategy. Add new ones here only.
 STEP_OPTIONS: dict[str, Option] = {
@@ -121,6 +123,20 @@ STEP_OPTIONS: dict[str, Option] = {
             ),
             check=_nonneg_int,
             env="TFDIST_BUCKET_BYTES",
+        ),
+        Option(
+            name="allreduce_dtype",
+            default="float32",
+            types=(str,),
+            expected=f"one of {', '.join(repr(d) for d in ALLREDUCE_DTYPES)}",
+            doc=(
+                "Compressed exchange: float32 buckets are cast to this dtype before the "
+                "all-reduce and back after it (float16 is pre-scaled by 1/replicas against "
+                "overflow); 'float32' sends them as they are. Environment override "
+                "TFDIST_ALLREDUCE_DTYPE."
+            ),
+            check=lambda v: v in ALLREDUCE_DTYPES,
+            env="TFDIST_ALLREDUCE_DTYPE",
         ),
         Option(
             name="accumulation_steps",
@@ -218,17 +234,57 @@ COMMUNICATION = Option(
     ),
     check=lambda v: v in COMMUNICATION_IMPLEMENTATIONS,
 )
+# Timeouts of multi-process jobs (docs/operations.md, "Timeouts").
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+STARTUP_TIMEOUT = Option(
+    name="startup_timeout",
+    default=None,
+    types=(int, float),
+    expected="a number of seconds > 0",
+    doc=(
+        "Seconds a task of a multi-process job waits at start-up for the other tasks to answer "
+        "before it exits with an error naming those that did not; default 300. Environment "
+        "override TFDIST_STARTUP_TIMEOUT (`tfdist launch --startup-timeout S` sets it)."
+    ),
+    check=lambda v: v > 0,
+    env="TFDIST_STARTUP_TIMEOUT",
+)
 COLLECTIVE_TIMEOUT = Option(
     name="collective_timeout",
     default=None,
     types=(int, float),
-    expected="a number of seconds > 0, or None for no timeout",
+    expected="a number of seconds >= 0 (0 for no timeout)",
     doc=(
-        "Seconds a collective (all-reduce, broadcast) may wait for its peers before it fails with "
-        "DeadlineExceeded instead of hanging when a worker is gone; default no timeout."
+        "Seconds a collective (all-reduce, broadcast) may wait for its peers before the step fails "
+        "instead of hanging when a worker is gone or stuck; default 600 in a job of several "
+        "workers, none for one process; 0 turns it off. Environment override "
+        "TFDIST_COLLECTIVE_TIMEOUT."
     ),
-    check=lambda v: v > 0,
+    check=lambda v: v >= 0,
+    env="TFDIST_COLLECTIVE_TIMEOUT",
 )
+
+
+def seconds(option: Option, value: Any, default: float) -> float:
+    """A timeout in seconds: `value` if given, else `option.env` if set, else `default`.
+
+    Raises `OptionError` naming the option (or the environment variable) for a bad value.
+    """
+    if value is not None:
+        return float(option.validate(value))
+    raw = os.environ.get(option.env or "", "").strip()
+    if not raw:
+        return float(default)
+    try:
+        parsed = float(raw)
+    except ValueError:
+        raise OptionError(
+            f"Environment variable {option.env} must be {option.expected}. Received: {option.env}={raw!r}"
+        ) from None
+    return float(option.validate(parsed, source=f"environment variable {option.env}"))
+
+
 DEVICES_PER_WORKER = Option(
     name="devices_per_worker",
     default=None,

@@ -89,7 +89,18 @@ def load_preset(path_or_mapping: Union[str, os.PathLike, Mapping[str, Any]]) -> 
         source = "preset mapping"
         data = dict(path_or_mapping)
     else:
+        if not isinstance(path_or_mapping, (str, os.PathLike)):
+            raise PresetError(
+                "A preset must be the path of a TOML file (e.g. 'strategies/mirrored.toml') or a "
+                "mapping such as {'strategy': 'mirrored'}. "
+                f"Received: {path_or_mapping!r} (type {type(path_or_mapping).__name__})"
+            )
         source = os.fspath(path_or_mapping)
+        if os.path.isdir(source):
+            raise PresetError(
+                f"{source}: is a directory; a preset is one TOML file, e.g. "
+                f"{os.path.join(source, 'mirrored.toml')}."
+            )
         try:
             with open(source, "rb") as f:
                 data = tomllib.load(f)

@@ -38,11 +38,21 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class FlatLayout:
-    """How `len(shapes)` variables map onto `num_shards` even contiguous slices.
+    """How `len(shapes)` variables map onto `num_shards` even slices, bucket by bucket.
+
+    The flat vector is cut into `num_buckets` contiguous buckets of `N * C`
+    elements; replica `r` owns chunk `r` (`C` elements) of every bucket, and
+    its slice is its chunks in bucket order (`S = num_buckets * C`
+    elements). A bucket is then both a contiguous range of the parameters (its
+    all-gather writes whole variables) and one chunk per replica (its
+    reduce-scatter is even). With one bucket (the default) replica `r` owns
+    the contiguous slice `[r * S, (r + 1) * S)`, `S = ceil(P / N)`.
 
     Args:
         shapes: the variables' static shapes, in order.
         num_shards: the number of replicas `N`, >= 1.
+        num_buckets: int, >= 1; default 1. `for_variables` derives it from
+            the step's `bucket_bytes`.
 
     Example:
 
@@ -54,10 +64,19 @@ class FlatLayout:
 
     shapes: tuple[tuple[int, ...], ...]
     num_shards: int
+    num_buckets: int = 1
 
     @classmethod
-    def for_variables(cls, variables: Sequence, num_shards: int) -> FlatLayout:
-        return cls(tuple(tuple(int(d) for d in v.shape) for v in variables), num_shards)
+    def for_variables(cls, variables: Sequence, num_shards: int, bucket_bytes: int = 0) -> FlatLayout:
+        """The layout of `variables`, in buckets of at most `bucket_bytes` float32 bytes (0: one bucket)."""
+        shapes = tuple(tuple(int(d) for d in v.shape) for v in variables)
+        total = sum(math.prod(s) for s in shapes)
+        per_replica = max(1, -(-total // num_shards))
+        buckets = 1
+        if bucket_bytes > 0:
+            largest_chunk = max(1, bucket_bytes // (4 * num_shards))
+            buckets = -(-per_replica // largest_chunk)
+        return cls(shapes, num_shards, buckets)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -73,21 +92,40 @@ class FlatLayout:
         return sum(self.sizes)
 
     @property
+    def chunk_size(self) -> int:
+        """C: elements of one replica's chunk of a bucket, `ceil(P / (N * buckets))` (at least 1)."""
+        return max(1, -(-self.total // (self.num_shards * self.num_buckets)))
+
+    @property
     def shard_size(self) -> int:
-        """S: elements per replica, `ceil(P / N)` (at least 1)."""
-        return max(1, -(-self.total // self.num_shards))
+        """S: elements per replica, `num_buckets * C`."""
+        return self.num_buckets * self.chunk_size
 
     @property
     def padding(self) -> int:
         """Zeros appended so that the flat vector splits evenly."""
         return self.shard_size * self.num_shards - self.total
 
-    def shard_range(self, shard: int) -> tuple[int, int]:
-        return shard * self.shard_size, (shard + 1) * self.shard_size
+    def bucket_range(self, bucket: int) -> tuple[int, int]:
+        """Flat elements `[lo, hi)` of bucket `bucket` (`N * C` of them)."""
+        width = self.num_shards * self.chunk_size
+        return bucket * width, (bucket + 1) * width
+
+    def owned_ranges(self, shard: int) -> list[tuple[int, int]]:
+        """Flat elements `[lo, hi)` that replica `shard` owns, in the order of its slice."""
+        c = self.chunk_size
+        return [(self.bucket_range(k)[0] + shard * c, self.bucket_range(k)[0] + (shard + 1) * c)
+                for k in range(self.num_buckets)]
 
     def pieces(self, shard: int) -> list[Piece]:
-        """The variables' parts inside `shard`'s slice, in order."""
-        lo, hi = self.shard_range(shard)
+        """The variables' parts inside `shard`'s slice, in slice order (offsets into the slice)."""
+        out = []
+        for k, (lo, hi) in enumerate(self.owned_ranges(shard)):
+            out += [dataclasses.replace(p, offset=p.offset + k * self.chunk_size) for p in self.range_pieces(lo, hi)]
+        return out
+
+    def range_pieces(self, lo: int, hi: int) -> list[Piece]:
+        """The variables' parts inside flat elements `[lo, hi)`; offsets count from `lo`."""
         out = []
         for i, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
             start, stop = max(lo, offset), min(hi, offset + size)
@@ -95,15 +133,24 @@ class FlatLayout:
                 out.append(Piece(i, start - offset, stop - offset, start - lo))
         return out
 
-    # Tensors ----------------------------------------------------------------
-    def unflatten(self, flat, dtypes: Sequence | None = None) -> list:
-        """Inverse of `flatten`: one tensor per variable, cast to `dtypes` if given."""
-        pieces = tf.split(flat[: self.total], list(self.sizes)) if len(self.sizes) > 1 else [flat[: self.total]]
-        out = [tf.reshape(p, s) for p, s in zip(pieces, self.shapes)]
-        if dtypes is not None:
-            out = [tf.cast(t, d) if t.dtype != d else t for t, d in zip(out, dtypes)]
-        return out
+    def to_slices_numpy(self, flat: np.ndarray) -> np.ndarray:
+        """`[N * S]` flat (padded) vector -> `[N, S]`: row `r` is replica `r`'s slice."""
+        k, n, c = self.num_buckets, self.num_shards, self.chunk_size
+        return np.asarray(flat).reshape(k, n, c).transpose(1, 0, 2).reshape(n, k * c)
 
+    def from_slices(self, slices):
+        """Inverse of `to_slices_numpy`: replicas' slices, concatenated in replica order -> flat vector.
+
+        Takes and returns a numpy array or a TensorFlow tensor alike.
+        """
+        k, n, c = self.num_buckets, self.num_shards, self.chunk_size
+        if k == 1:
+            return slices
+        if isinstance(slices, np.ndarray):
+            return slices.reshape(n, k, c).transpose(1, 0, 2).reshape(-1)
+        return tf.reshape(tf.transpose(tf.reshape(slices, [n, k, c]), [1, 0, 2]), [-1])
+
+    # Tensors ----------------------------------------------------------------
     def flatten_numpy(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         flat = np.zeros([self.shard_size * self.num_shards], np.float32)
         for a, offset, size in zip(arrays, self.offsets, self.sizes):
@@ -160,9 +207,19 @@ def gather_shard(layout: FlatLayout, tensors: Sequence, shard: int) -> tf.Tensor
     elements, not `P`. `None` entries count as zeros; sparse gradients
     (`tf.IndexedSlices`) are densified first.
     """
+    parts = [gather_range(layout, tensors, lo, hi) for lo, hi in layout.owned_ranges(shard)]
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+
+
+def gather_range(layout: FlatLayout, tensors: Sequence, lo: int, hi: int) -> tf.Tensor:
+    """Elements `[lo, hi)` of `tensors` flattened, concatenated and zero-padded (float32).
+
+    Only the pieces inside the range are read. `None` entries count as zeros;
+    sparse gradients (`tf.IndexedSlices`) are densified first.
+    """
     parts = []
     position = 0
-    for p in layout.pieces(shard):
+    for p in layout.range_pieces(lo, hi):
         t = tensors[p.variable]
         size = p.stop - p.start
         if t is None:
@@ -170,10 +227,11 @@ def gather_shard(layout: FlatLayout, tensors: Sequence, shard: int) -> tf.Tensor
         else:
             if isinstance(t, tf.IndexedSlices):
                 t = tf.convert_to_tensor(t)
-            parts.append(tf.cast(tf.reshape(t, [-1])[p.start:p.stop], tf.float32))
-        position += size
-    if position < layout.shard_size:
-        parts.append(tf.zeros([layout.shard_size - position], tf.float32))
+            flat = tf.reshape(t, [-1])
+            parts.append(tf.cast(flat if size == flat.shape[0] else flat[p.start:p.stop], tf.float32))
+        position = p.offset + size
+    if position < hi - lo:
+        parts.append(tf.zeros([hi - lo - position], tf.float32))
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
 
 

@@ -3,7 +3,7 @@ Keras" tutorial on the bundled digits, with the strategy line changed to tfdist.
 
 Every worker runs this same script; TF_CONFIG tells each one where it is. Locally:
 
-    tfdist launch --workers 2 -- python examples/multi_worker/train.py
+    tfdist launch --workers 2 -- python examples/multi_worker/train.py --model-dir DIR
 
 On Kubernetes (tfjob.yaml) or Slurm (slurm.sbatch) the cluster manager starts
 the processes (with `--slurm`, the job is read from Slurm's variables); see
@@ -61,7 +61,10 @@ def main() -> None:
     parser.add_argument("--slurm", action="store_true", help="read the job from Slurm (srun) instead of TF_CONFIG")
     parser.add_argument("--collective-timeout", type=float, default=None,
                         help="seconds a collective waits for a lost worker before failing (default: forever)")
-    parser.add_argument("--model-dir", default="/tmp/tfdist_multi_worker",
+    # No default: every worker, and every restart, must name the same folder
+    # (the backup to resume from), so neither a fixed /tmp path nor a fresh
+    # temporary directory would do.
+    parser.add_argument("--model-dir", required=True,
                         help="checkpoints, TensorBoard logs, backups and the final model (shared by all workers)")
     args = parser.parse_args()
 

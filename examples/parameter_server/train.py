@@ -3,7 +3,7 @@
 Run locally (a chief, 2 workers, 1 ps task, each its own process; `--evaluator`
 adds a sidecar evaluator process):
 
-    tfdist launch --chief --workers 2 --ps 1 [--evaluator] -- python examples/parameter_server/train.py
+    tfdist launch --chief --workers 2 --ps 1 [--evaluator] -- python examples/parameter_server/train.py --out DIR
 
 On worker and ps tasks `tfdist.get_strategy("parameter_server")` starts the
 task's TensorFlow server and blocks until the job ends; only the chief gets
@@ -25,7 +25,8 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=int, default=5)
 parser.add_argument("--steps-per-epoch", type=int, default=50, help="steps per epoch, summed over workers")
 parser.add_argument("--batch-size", type=int, default=32, help="batch size of each worker's step")
-parser.add_argument("--out", default="/tmp/tfdist_ps_example", help="checkpoints and the saved model go here")
+parser.add_argument("--out", default=None,
+                    help="checkpoints go here; required on the chief and the evaluator (the same folder)")
 args = parser.parse_args()
 
 # Variables over 16 KiB are split in shards of at most 16 KiB, at most one per
@@ -33,6 +34,11 @@ args = parser.parse_args()
 strategy = tfdist.get_strategy("parameter_server", variable_partitioner="max_shard_bytes:16384")
 # Only the chief (and the sidecar evaluator, if any) runs what follows.
 import keras  # noqa: E402
+
+if args.out is None:
+    # A restarted chief resumes from the folder it wrote, and the evaluator
+    # reads it: neither a fixed /tmp path nor a fresh temporary one would do.
+    parser.error(f"--out DIR is required on the {strategy.task_type} (checkpoints are written and read there)")
 
 x, y = tfdist.datasets.load_digits()
 order = np.random.default_rng(0).permutation(len(x))

@@ -11,6 +11,7 @@ from tests.engine.common import make_strategy, max_relative_difference, tiny_mod
 def _fit_and_collect_executed_ops(model, x, y):
     ctx = context.context()
     ctx.enable_run_metadata()
+    ctx.export_run_metadata()  # drops what an earlier test left collected
     try:
         model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
         md = ctx.export_run_metadata()
@@ -41,4 +42,70 @@ def test_jit_compile_runs_every_replica_step_under_xla(name, how, digits):
     else:
         # Both replicas' devices run XLA clusters.
         assert {"0", "1"} <= xla_devices, f"_XlaRun on devices {sorted(xla_devices)}"
+    assert max_relative_difference(reference, model) < 1e-4
+
+
+def _compiled_programs(nodes):
+    """Devices of the compiled function calls (`_XlaMustCompile`) in the executed graphs."""
+    return sorted(n.device.rsplit(":", 1)[-1] for n in nodes if n.attr["_XlaMustCompile"].b)
+
+
+@pytest.mark.parametrize("sink", [1, 4])
+def test_one_replica_compiles_the_whole_step_as_one_program_like_keras(sink, digits):
+    # Keras's jit_compile=True compiles forward, backward and the Adam update
+    # as one function; tfdist with one replica runs the same single program.
+    import keras
+
+    x, y = digits
+    x, y = x[:128], y[:128]
+
+    def adam():
+        return keras.optimizers.Adam(1e-2)
+
+    reference = tiny_model(adam, jit_compile=True)
+    reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    strategy = make_strategy("mirrored", replicas=1, jit_compile=True, sink_size=sink)
+    with strategy.scope():
+        model = tiny_model(adam)
+    nodes = _fit_and_collect_executed_ops(model, x, y)
+    assert _compiled_programs(nodes) == ["0"]
+    assert not [n for n in nodes if n.op == "_XlaRun"]
+    assert max_relative_difference(reference, model) < 1e-6
+    assert int(model.optimizer.iterations.numpy()) == 4
+
+
+@pytest.mark.parametrize("name", ["mirrored", "multi_worker"])
+def test_each_replica_compiles_its_forward_and_backward_as_one_program(name, digits):
+    # Two replicas: one compiled forward/backward per replica device, the
+    # gradient all-reduce and the update outside (a collective cannot run in XLA
+    # on CPU). BatchNorm's moving statistics, written by the forward pass, are
+    # recorded inside the program and assigned after it.
+    import keras
+
+    x, y = digits
+    x, y = x[:128], y[:128]
+
+    def bn_model(**kw):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(16, use_bias=False), keras.layers.BatchNormalization(),
+             keras.layers.Activation("relu"), keras.layers.Dense(10)]
+        )
+        model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True), **kw)
+        return model
+
+    with make_strategy(name, replicas=2).scope():
+        reference = bn_model()
+    reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    with make_strategy(name, replicas=2, jit_compile=True).scope():
+        model = bn_model()
+    nodes = _fit_and_collect_executed_ops(model, x, y)
+    if name == "mirrored":
+        assert _compiled_programs(nodes) == ["0", "1"]
+        assert [n.op for n in nodes if n.op.startswith("Collective")], "the all-reduce ran outside XLA"
+    else:  # multi_worker without TF_CONFIG: one worker, one replica, the whole step compiled
+        assert _compiled_programs(nodes) == ["0"]
+    assert not [n for n in nodes if n.op == "_XlaRun"]
+    moving_mean = [v for v in model.variables if "moving_mean" in v.path][0]
+    assert float(abs(moving_mean.numpy()).max()) > 0.0
     assert max_relative_difference(reference, model) < 1e-4

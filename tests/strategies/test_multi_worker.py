@@ -216,7 +216,7 @@ def test_tf_config_required_when_asked_for(monkeypatch):
         ({"communication": "mpi"},
          "option 'communication' must be one of 'auto', 'ring', 'nccl'. Received: communication='mpi'"),
         ({"collective_timeout": -1},
-         "option 'collective_timeout' must be a number of seconds > 0, or None for no timeout. "
+         "option 'collective_timeout' must be a number of seconds >= 0 (0 for no timeout). "
          "Received: collective_timeout=-1"),
         ({"devices_per_worker": 0},
          "option 'devices_per_worker' must be an integer >= 1 (GPUs each worker trains on; 1 on CPU "

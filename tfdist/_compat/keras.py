@@ -92,6 +92,15 @@ def clip_gradients(optimizer, grads: Sequence):
     return optimizer._clip_gradients(list(grads))
 
 
+def clips_like_keras(optimizer) -> bool:
+    """Whether `optimizer` clips with Keras's own `_clip_gradients` (not the sharded state's).
+
+    The sharded optimizer sets its own on the instance (`install_sharded_optimizer`):
+    its gradients are slices, whose norms it sums across replicas.
+    """
+    return "_clip_gradients" not in vars(optimizer)
+
+
 def inner_optimizer(optimizer):
     """The optimizer whose update rule runs: a `LossScaleOptimizer`'s inner one, else itself."""
     return optimizer.inner_optimizer if is_loss_scale_optimizer(optimizer) else optimizer
@@ -485,6 +494,54 @@ def ema_average(optimizer):
     return optimizer._model_variables_moving_average[0]
 
 
+class VariableStandIn:
+    """A tensor an optimizer's `update_step` updates as if it were `key`, a variable it was built on.
+
+    Keras (verified on 3.15, TensorFlow backend) finds a variable's slots by
+    `optimizer._var_key(variable)` (the tf.Variable's, or its distributed
+    container's, `_unique_id`) and writes it with `assign`, `assign_add`,
+    `assign_sub` and, for sparse gradients, `scatter_*`. This object answers
+    with `key`'s id and keeps each write as its new `value`, so the update of
+    a slice of weights needs no variable of its own (the sharded optimizer's
+    owned slice, read from the model's weights).
+    """
+
+    def __init__(self, optimizer, key, value):
+        self._unique_id = optimizer._var_key(key)
+        self.value = value
+
+    @property
+    def dtype(self):
+        return self.value.dtype
+
+    @property
+    def shape(self):
+        return self.value.shape
+
+    def assign(self, value, read_value=False):
+        self.value = tf.convert_to_tensor(value, self.dtype)
+
+    def assign_add(self, value, read_value=False):
+        self.value = self.value + tf.convert_to_tensor(value, self.dtype)
+
+    def assign_sub(self, value, read_value=False):
+        self.value = self.value - tf.convert_to_tensor(value, self.dtype)
+
+    def scatter_update(self, update):
+        self.value = tf.tensor_scatter_nd_update(self.value, update.indices[:, None], update.values)
+
+    def scatter_add(self, update):
+        self.value = tf.tensor_scatter_nd_add(self.value, update.indices[:, None], update.values)
+
+    def scatter_sub(self, update):
+        self.value = tf.tensor_scatter_nd_sub(self.value, update.indices[:, None], update.values)
+
+
+tf.register_tensor_conversion_function(
+    VariableStandIn, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.value, dtype)
+)
+
+
 def all_layers(model) -> list:
     """Every layer of `model`, nested ones included (Keras's private `_flatten_layers`)."""
     return list(model._flatten_layers(include_self=False))
@@ -616,6 +673,50 @@ def redirect_backup_and_restore(callback, backup_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Checkpoint writes (tfdist.checkpointing makes them atomic). Verified on Keras
+# 3.15; the private names are those `redirect_backup_and_restore` reads.
+# ---------------------------------------------------------------------------
+
+
+def backup_and_restore_files(callback) -> tuple[str, str, str, str]:
+    """A `BackupAndRestore`'s files: (weights, metadata, previous weights, previous metadata)."""
+    return (
+        callback._weights_path,
+        callback._training_metadata_path,
+        callback._prev_weights_path,
+        callback._prev_training_metadata_path,
+    )
+
+
+def backup_and_restore_position(callback) -> dict:
+    """What `BackupAndRestore` writes to `training_metadata.json`: `{"epoch": e, "batch": b}`."""
+    return {"epoch": callback._current_epoch, "batch": callback._last_batch_seen}
+
+
+def replace_backup_and_restore_save(wrapper) -> None:
+    """Wraps `BackupAndRestore._save_model`, the one method that writes a backup."""
+    replace_method(keras.callbacks.BackupAndRestore, "_save_model", wrapper)
+
+
+def restore_backup_and_restore_save() -> None:
+    restore_method(keras.callbacks.BackupAndRestore, "_save_model")
+
+
+def is_remote_path(path: str) -> bool:
+    """Keras's test for a path it writes through `tf.io.gfile` (`gs://`, `/cns`, ...)."""
+    from keras.src.utils import file_utils
+
+    return bool(file_utils.is_remote_path(path))
+
+
+def ask_to_proceed_with_overwrite(path: str) -> bool:
+    """Keras's interactive prompt of `save(..., overwrite=False)` for an existing file."""
+    from keras.src.utils import io_utils
+
+    return bool(io_utils.ask_to_proceed_with_overwrite(path))
+
+
+# ---------------------------------------------------------------------------
 # Sharded optimizer (ZeRO stages 1 and 2): the user's optimizer, built on one
 # flat slice per replica, reading and writing a canonical unsharded state.
 # Verified on Keras 3.15 / TensorFlow 2.21.
@@ -662,6 +763,8 @@ def guard_load_weights(model, snapshot_fn, restore_fn) -> None:
     variables overwritten. `snapshot_fn()` returns the state to keep (host
     copies); `restore_fn(snapshot)` writes it back. Set on the instance.
     """
+    if "load_weights" in vars(model):
+        return  # already guarded (the sharded optimizer guards its own state first)
     original = model.load_weights
 
     @functools.wraps(original)
@@ -669,8 +772,25 @@ def guard_load_weights(model, snapshot_fn, restore_fn) -> None:
         snapshot = snapshot_fn()
         try:
             return original(*args, **kwargs)
+        except ValueError as error:
+            restore_fn(snapshot)
+            shorter = _without_variable_values(str(error))
+            if shorter == str(error):
+                raise
+            raise ValueError(shorter) from None
         except Exception:
             restore_fn(snapshot)
             raise
 
     object.__setattr__(model, "load_weights", load_weights)
+
+
+def _without_variable_values(message: str) -> str:
+    """Keras's load error with each variable's printed values cut (`<Variable path=..., value=[...]>`).
+
+    Keras 3.15's `Variable.__repr__` prints the whole value; a checkpoint of
+    another architecture would put every mismatched tensor in the message.
+    """
+    import re
+
+    return re.sub(r"(<Variable path=[^,>]+, shape=[^>]*?), value=(?:\[.*?\]|[^>\[]*)>", r"\1>", message, flags=re.S)

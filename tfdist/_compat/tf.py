@@ -271,6 +271,11 @@ def distribute_dataset(strategy, dataset, options, distribute):
     return tf.distribute.Strategy.experimental_distribute_dataset(strategy, dataset, options)
 
 
+def in_multi_worker_mode(strategy) -> bool:
+    """Whether `strategy` spans several workers (`StrategyExtended._in_multi_worker_mode`, TF 2.4 to 2.21)."""
+    return bool(strategy.extended._in_multi_worker_mode())
+
+
 def update_replica_id():
     """Inside `strategy.extended.update`'s function: the replica being updated (a Python int)."""
     from tensorflow.python.distribute import distribute_lib

@@ -141,11 +141,9 @@ class CustomTrainStep(TrainStep):
 
     def _reduce_and_update(self, strategy, values) -> None:
         """Cross-replica context: phases 2–4 on the replicas' gradients (`values`)."""
-        from tfdist.engine.paths import get_gradient_path
-
         graph = tf.compat.v1.get_default_graph()
         first = len(graph.get_operations())
-        path = get_gradient_path(self.strategy.gradient_path)
+        path = self.strategy.gradient_path
         if self.accumulation is None:
             path(self, values)
         else:

@@ -20,6 +20,7 @@ closure of k steps per `ClusterCoordinator.schedule`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Union
 
 import keras
@@ -32,6 +33,33 @@ STEPS_PER_CALL_ATTR = "_tfdist_steps_per_call"
 # The bound used when a whole-epoch call has no tagged length: run until the
 # iterator is exhausted.
 UNTIL_EXHAUSTED = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLoop:
+    """Who drives a strategy's epochs: Keras's own `fit`, or tfdist's host loop.
+
+    Args:
+        name: str, for messages and `repr` only.
+        fit, evaluate, predict: Optional callables with the signature of the
+            Keras `Model` method (model first) that replace it for models under
+            the strategy; `None` (the default) keeps Keras's method, which then
+            calls the engine's host function (`make_host_function`) once per
+            `steps_per_execution` steps.
+    """
+
+    name: str
+    fit: Optional[Callable] = None
+    evaluate: Optional[Callable] = None
+    predict: Optional[Callable] = None
+
+    def method(self, name: str) -> Optional[Callable]:
+        """The replacement of the Keras `Model` method `name`, or None to keep Keras's."""
+        return getattr(self, name)
+
+
+# Keras's epoch loop calls `make_host_function`'s function: every synchronous strategy.
+KERAS_FIT = HostLoop("keras")
 
 
 def _is_tf_iterator(iterator) -> bool:
@@ -168,6 +196,20 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
         return done, model.get_metrics_result()
 
     @tf.autograph.experimental.do_not_convert
+    def one_step(iterator, max_steps):
+        # One step per call: no while loop (its Enter/Exit/NextIteration nodes,
+        # one per loop-invariant variable, and a second get_next were ~160
+        # executed nodes of overhead per call, issue 16).
+        optional = iterator.get_next_as_optional()
+
+        def run():
+            step_fn(optional.get_value())
+            return tf.constant(1)
+
+        done = tf.cond(optional.has_value(), run, lambda: tf.constant(0))
+        return done, model.get_metrics_result()
+
+    @tf.autograph.experimental.do_not_convert
     def on_data(data):
         step_fn(data)
         return model.get_metrics_result()
@@ -177,10 +219,12 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
     # run when the iterator is exhausted, so on input of unknown length Keras
     # counts one step too many per epoch (42 for 40 steps over 2 epochs), which
     # shifts Adam's bias correction and learning-rate schedules.
-    run = many_steps
+    run = one_step if steps_per_call == 1 and not whole_epochs else many_steps
     if not model.run_eagerly:
         run = tf.function(run, reduce_retracing=True)
         on_data = tf.function(on_data, reduce_retracing=True)
+
+    steps_constant = tf.constant(steps_per_call, tf.int32)
 
     def function(iterator):
         if not _is_tf_iterator(iterator):
@@ -191,12 +235,20 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
                 logs = on_data(data)
             return logs
         steps = steps_per_call
+        bound = steps_constant
         if whole_epochs:
             steps = getattr(iterator, STEPS_PER_CALL_ATTR, UNTIL_EXHAUSTED)
+            bound = tf.constant(steps, tf.int32)
         try:
-            done, logs = run(iterator, tf.constant(steps, tf.int32))
+            done, logs = run(iterator, bound)
         except tf.errors.OutOfRangeError:
             raise StopIteration from None
+        except tf.errors.DeadlineExceededError as error:
+            # A multi-worker strategy names its collective_timeout option and the job's tasks.
+            better = model.distribute_strategy.explain_collective_error(error)
+            if better is None:
+                raise
+            raise better from error
         except tf.errors.InvalidArgumentError as error:
             if "Shape mismatch in the collective instance" not in str(error) or steps == 1:
                 raise

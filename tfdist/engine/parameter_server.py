@@ -14,9 +14,11 @@ parameter-server job changes about the loop:
   whichever worker is free and only waits for them at the end of an epoch, so
   per-batch callbacks see the schedule, not finished steps, and get no logs;
   epoch-end logs are the metrics over all of the epoch's steps;
-* the update (gradient path `"parameter_server"`): a worker computes its
-  gradient and applies it to the variables on the ps tasks at once, without
-  waiting for other workers (asynchronous training);
+* the update (gradient path `PARAMETER_SERVER`): the engine's `TrainStep`
+  with nothing to reduce — a worker computes its gradient, the transform
+  chain clips it, and the update template applies it to the variables on the
+  ps tasks at once (`InPlace`), without waiting for other workers
+  (asynchronous training);
 * failures: a worker that dies is the coordinator's business (it reschedules
   the closure and resumes the worker when it returns); a ps task that dies
   loses variables, so fit stops with `ParameterServerError`;
@@ -26,9 +28,7 @@ parameter-server job changes about the loop:
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import re
 from typing import Any, Callable
 
@@ -39,7 +39,8 @@ import tensorflow as tf
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
 from tfdist.engine import update
-from tfdist.engine.paths import register_gradient_path
+from tfdist.engine.loop import HostLoop
+from tfdist.engine.paths import GradientPath
 
 
 class ParameterServerError(RuntimeError):
@@ -51,59 +52,20 @@ class ParameterServerError(RuntimeError):
 # ---------------------------------------------------------------------------
 
 
-@tf.autograph.experimental.do_not_convert
-def regroup(variable, part_grads: list):
-    """One gradient for a Keras variable from the gradients of its parts (shards)."""
-    if len(part_grads) == 1:
-        return part_grads[0]
-    if any(g is None for g in part_grads):
-        return None
-    if not any(isinstance(g, tf.IndexedSlices) for g in part_grads):
-        return tf.concat(part_grads, axis=0)
-    values, indices, offset = [], [], 0
-    for part, g in zip(kc.variable_parts(variable), part_grads):
-        g = g if isinstance(g, tf.IndexedSlices) else tf.IndexedSlices(g, tf.range(tf.shape(g)[0]))
-        values.append(g.values)
-        indices.append(tf.cast(g.indices, tf.int64) + offset)
-        offset += int(part.shape[0])
-    return tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0), tf.constant([int(d) for d in variable.shape], tf.int64))
-
-
-@tf.autograph.experimental.do_not_convert
-def worker_gradients(model, data) -> list:
-    """Replica context on a worker: the gradient of every trainable variable for one batch.
-
-    Gradients are taken with respect to the TensorFlow variables that hold the
-    weights (each shard of a partitioned variable), because Keras's own
-    `GradientTape` sources reject a `ShardedVariable`, and regrouped into one
-    gradient per Keras variable.
-    """
-    x, y, sample_weight = kc.unpack_data(data)
-    flat = [t for t in tf.nest.flatten(x) if t is not None]
-    batch = tf.shape(flat[0])[0]
-    trainable = model.trainable_variables
-    sources = [kc.variable_parts(v) for v in trainable]
-    with tf.GradientTape() as tape:
-        y_pred = kc.call_model(model, x, training=True)
-        loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=True)
-        kc.track_loss(model, loss, batch)
-    grads = tape.gradient(loss, [s for parts in sources for s in parts])
-    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    out, i = [], 0
-    for v, parts in zip(trainable, sources):
-        out.append(regroup(v, grads[i : i + len(parts)]))
-        i += len(parts)
-    return kc.clip_gradients(model.optimizer, out)
-
-
 def parameter_server(step, data) -> None:
-    """Gradient path: the worker's gradient goes straight to the variables on the ps tasks."""
-    model = step.model
-    grads = step.strategy.run(lambda batch: worker_gradients(model, batch), args=(data,))
-    update.apply_update(model.optimizer, grads, model.trainable_variables, update.InPlace())
+    """Gradient path: the worker's gradient goes straight to the variables on the ps tasks.
+
+    The synchronous step's phases with nothing to reduce: the worker's own
+    gradient (taken with respect to each shard of a partitioned variable,
+    `TrainStep.gradient_sources`), the same transform chain (clipping), and
+    the update placed `InPlace` on the ps variables, unsynchronised.
+    """
+    grads = step.strategy.run(lambda batch: step.finish(step.compute_gradients(batch)), args=(data,))
+    step.apply(grads)
 
 
-register_gradient_path("parameter_server", parameter_server)
+# Each worker writes the ps variables from its own step, unsynchronised.
+PARAMETER_SERVER = GradientPath("parameter_server", parameter_server, lambda strategy: update.InPlace())
 
 
 # Step options the parameter-server step honours; the others must keep their defaults.
@@ -175,7 +137,7 @@ def unsupported_feature(feature: str, model) -> str | None:
 
 
 def _make_closure(model) -> Callable:
-    """The function a worker runs per scheduled closure: `steps` training steps."""
+    """The function a worker runs per scheduled closure: `steps` engine training steps."""
     from tfdist.engine.step import TrainStep
 
     step = TrainStep(model)
@@ -349,43 +311,6 @@ def _raise_if_ps_failure(error: Exception, strategy, epoch: int):
 # ---------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _atomic_saves(model):
-    """During fit, `model.save` and `model.save_weights` write a temporary file and rename it.
-
-    Saving reads every variable from the ps tasks; a ps task that dies in the
-    middle of BackupAndRestore's or ModelCheckpoint's save would otherwise leave
-    a truncated file in place of the last good one, and the restarted job fails
-    to load it ("Layer 'dense' expected 2 variables, but received 1 variables
-    during loading"). With the rename, the file on disk is always a whole save.
-    """
-
-    def atomic(method):
-        def save(filepath, *args, **kwargs):
-            path = os.fspath(filepath)
-            if "://" in path:  # remote file systems: no atomic rename to rely on
-                return method(filepath, *args, **kwargs)
-            folder, name = os.path.split(path)
-            temporary = os.path.join(folder, f".tfdist-{os.getpid()}-{name}")
-            try:
-                result = method(temporary, *args, **kwargs)
-                os.replace(temporary, path)
-            finally:
-                if os.path.exists(temporary):
-                    os.remove(temporary)
-            return result
-
-        return save
-
-    model.save_weights = atomic(model.save_weights)
-    model.save = atomic(model.save)
-    try:
-        yield
-    finally:
-        del model.save_weights
-        del model.save
-
-
 def _check_chief(strategy, method: str) -> None:
     if strategy.task_type != "chief":
         raise ValueError(
@@ -448,11 +373,13 @@ def fit(
             steps=steps,
             model=model,
         )
-    with _atomic_saves(model):
-        return _fit_loop(
-            model, strategy, data, callbacks, epochs, initial_epoch, validation_data, validation_freq,
-            validation_steps, validation_batch_size or batch_size,
-        )
+    # Saves during fit (BackupAndRestore, ModelCheckpoint) are atomic as for
+    # every tfdist model (`tfdist.checkpointing`): a ps task dying mid-save
+    # leaves the previous file whole.
+    return _fit_loop(
+        model, strategy, data, callbacks, epochs, initial_epoch, validation_data, validation_freq,
+        validation_steps, validation_batch_size or batch_size,
+    )
 
 
 def _fit_loop(model, strategy, data, callbacks, epochs, initial_epoch, validation_data, validation_freq,
@@ -505,13 +432,9 @@ def _fit_loop(model, strategy, data, callbacks, epochs, initial_epoch, validatio
 
 
 def _local_test_function(model):
+    # Keras's own (or the model's overridden) test_step, run on the chief.
     def test(data):
-        x, y, sample_weight = kc.unpack_data(data)
-        y_pred = kc.call_model(model, x, training=False)
-        loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=False)
-        flat = [t for t in tf.nest.flatten(x) if t is not None]
-        kc.track_loss(model, loss, tf.shape(flat[0])[0])
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        model.test_step(data)
 
     return test if model.run_eagerly else tf.function(test, reduce_retracing=True)
 
@@ -574,8 +497,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     if forward is None:
 
         def forward(data):
-            x, _, _ = kc.unpack_data(data)
-            return kc.call_model(model, x, training=False)
+            return model.predict_step(data)
 
         forward = model._tfdist_ps_predict = forward if model.run_eagerly else tf.function(forward)
     outputs = [forward(batch) for batch in dataset]
@@ -585,3 +507,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
 def steps_for(num_examples: int, batch_size: int) -> int:
     """Steps per epoch (over all workers) that see `num_examples` once on average."""
     return math.ceil(num_examples / batch_size)
+
+
+# A ClusterCoordinator job: tfdist schedules the steps; Keras's fit cannot drive one.
+COORDINATOR = HostLoop("coordinator", fit=fit, evaluate=evaluate, predict=predict)

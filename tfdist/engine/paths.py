@@ -1,11 +1,13 @@
-"""Gradient paths: how summed gradients reach the variables, one function each.
+"""Gradient paths: how summed gradients reach the variables, and where updates run.
 
-A strategy names its path in `gradient_path`; a path is a function
-`(step, data) -> None` that runs in cross-replica context, inside the
-strategy's scope, and performs phase 2 (reduction) and the update of one
-training step (see `tfdist.engine.step`). Strategies with a path of their own
-(e.g. the sharded optimizer's reduce-scatter) register it here with
-`register_gradient_path` from their own module.
+A strategy carries its path as an object, `TfdistStrategy.gradient_path`: a
+`GradientPath` whose `run(step, data)` runs in cross-replica context, inside
+the strategy's scope, and performs phase 2 (reduction) and the update of one
+training step (see `tfdist.engine.step`), and whose `placement(strategy)` says
+where one variable's update runs (`tfdist.engine.update.Placement`). The
+built-in paths are defined here; a strategy with a path of its own (the
+sharded optimizer's, the parameter server's) defines its `GradientPath` in its
+own module. Nothing is registered, and no path is looked up by name.
 
 A path gets every step feature by using the step's phases rather than
 re-implementing them: `step.local_gradients(batch)` in replica context
@@ -18,32 +20,52 @@ only runs on the last micro-step of each window.
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 import tensorflow as tf
 
 from tfdist import collectives
-
-GradientPath = Callable[["object", object], None]
-_PATHS: dict[str, GradientPath] = {}
+from tfdist.engine import update
 
 
-def register_gradient_path(name: str, fn: GradientPath) -> GradientPath:
-    _PATHS[name] = fn
-    return fn
+@dataclasses.dataclass(frozen=True)
+class GradientPath:
+    """How one strategy's step reduces gradients and where its updates run.
 
+    Args:
+        name: str, for messages and `repr` only.
+        run: callable `(step, data) -> None`, in cross-replica context:
+            reduction and update of one step (phases 2 to 4).
+        placement: callable `(strategy) -> update.Placement`: where the
+            update of one variable runs (`TrainStep.apply`'s default update).
+        local_with_one_replica: bool. With one replica, the reduction is the
+            identity and the update may run in the replica's own function, so
+            under XLA the whole step compiles as one program
+            (`TrainStep.__call__`). Default False.
+        variables_on_replicas: bool. Each replica's device holds a copy of
+            every variable, so a replica's forward and backward pass compiles
+            as one XLA program (which cannot read a variable on another
+            device). Default True.
+    """
 
-def get_gradient_path(name: str) -> GradientPath:
-    if name not in _PATHS:
-        raise ValueError(f"Unknown gradient path {name!r}. Registered: {sorted(_PATHS)}")
-    return _PATHS[name]
+    name: str
+    run: Callable[[Any, Any], None]
+    placement: Callable[[Any], update.Placement] = update.EveryCopy
+    local_with_one_replica: bool = False
+    variables_on_replicas: bool = True
+
+    def __call__(self, step, data) -> None:
+        self.run(step, data)
 
 
 def all_reduce(step, data) -> None:
     """Every replica sums all replicas' gradients, then every copy is updated alike."""
 
     def replica_fn(batch):
-        summed = collectives.all_reduce_sum(step.local_gradients(batch), step.options.bucket_bytes)
+        summed = collectives.all_reduce_sum(
+            step.local_gradients(batch), step.options.bucket_bytes, step.options.allreduce_dtype
+        )
         return step.finish(summed)
 
     grads = step.strategy.run(replica_fn, args=(data,))
@@ -68,5 +90,5 @@ def reduce_to_variables(step, data) -> None:
     step.apply(grads)
 
 
-register_gradient_path("all_reduce", all_reduce)
-register_gradient_path("reduce_to_variables", reduce_to_variables)
+ALL_REDUCE = GradientPath("all_reduce", all_reduce, local_with_one_replica=True)
+REDUCE_TO_VARIABLES = GradientPath("reduce_to_variables", reduce_to_variables, variables_on_replicas=False)

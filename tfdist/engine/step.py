@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import keras
 import tensorflow as tf
 
 from tfdist._compat import keras as kc
@@ -70,6 +71,25 @@ def with_variable_shapes(grads: list, variables) -> list:
     return out
 
 
+@tf.autograph.experimental.do_not_convert
+def regroup(variable, part_grads: list):
+    """One gradient for a Keras variable from the gradients of its parts (shards)."""
+    if len(part_grads) == 1:
+        return part_grads[0]
+    if any(g is None for g in part_grads):
+        return None
+    if not any(isinstance(g, tf.IndexedSlices) for g in part_grads):
+        return tf.concat(part_grads, axis=0)
+    values, indices, offset = [], [], 0
+    for part, g in zip(kc.variable_parts(variable), part_grads):
+        g = g if isinstance(g, tf.IndexedSlices) else tf.IndexedSlices(g, tf.range(tf.shape(g)[0]))
+        values.append(g.values)
+        indices.append(tf.cast(g.indices, tf.int64) + offset)
+        offset += int(part.shape[0])
+    return tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0), tf.constant([int(d) for d in variable.shape], tf.int64))
+
+
+
 def accumulation_steps(model) -> int:
     """Micro-batches per optimizer step: the `accumulation_steps` option or Keras's own."""
     option = model.distribute_strategy.options.accumulation_steps
@@ -89,15 +109,59 @@ class TrainStep:
         model: a Keras model built and compiled in a tfdist strategy's scope.
 
     Call it in cross-replica context (inside the host-call loop) with one
-    distributed batch. Built eagerly (it creates the accumulators).
+    distributed batch. Built eagerly (it creates the accumulators). A step
+    whose forward pass is not a Keras model's (the Estimator runner's
+    `model_fn`) is built from its parts with `from_parts` and overrides
+    `compute_gradients`.
     """
 
     def __init__(self, model):
         self.model = model
-        self.strategy = model.distribute_strategy
-        self.options = self.strategy.options
-        self.optimizer = model.optimizer
-        self.jit_compile = uses_xla(model)
+        self.assemble(
+            model.distribute_strategy,
+            model.optimizer,
+            model.trainable_variables,
+            jit_compile=uses_xla(model),
+            synchronized_layers=any(getattr(layer, "synchronized", False) for layer in kc.all_layers(model)),
+            embeddings=any(
+                isinstance(layer, keras.layers.Embedding) and layer.trainable for layer in kc.all_layers(model)
+            ),
+        )
+
+    @classmethod
+    def from_parts(cls, strategy, optimizer, variables, jit_compile: bool = False, **kwargs):
+        """A step over `variables` with `optimizer` under `strategy`, with no Keras model.
+
+        Args:
+            strategy: the tfdist strategy whose gradient path and options the step uses.
+            optimizer: a Keras optimizer (built on `variables`).
+            variables: the trainable variables, in gradient order.
+            jit_compile: bool, whether the forward and backward pass is compiled with XLA
+                (also when the strategy's `jit_compile` option says so). Default False.
+            **kwargs: passed to the subclass's `__init__`-time attributes (set on the step).
+        """
+        step = cls.__new__(cls)
+        step.model = None
+        for key, value in kwargs.items():
+            setattr(step, key, value)
+        step.assemble(strategy, optimizer, list(variables), jit_compile=jit_compile or strategy.options.jit_compile)
+        return step
+
+    def assemble(
+        self,
+        strategy,
+        optimizer,
+        variables: list,
+        jit_compile: bool,
+        synchronized_layers: bool = False,
+        embeddings: bool = False,
+    ):
+        """Sets up the step's parts (transform chain, accumulators, XLA plan); called once, eagerly."""
+        self.strategy = strategy
+        self.options = strategy.options
+        self.optimizer = optimizer
+        self.variables = variables
+        self.jit_compile = bool(jit_compile)
         # The optimizer whose update rule runs: a LossScaleOptimizer's inner one.
         self.update_optimizer = kc.inner_optimizer(self.optimizer)
         self.loss_scale = T.dynamic_loss_scale(self.optimizer)
@@ -107,14 +171,18 @@ class TrainStep:
             self.loss_scale,
             T.clip_by_optimizer(self.update_optimizer),
         )
+        # The variables differentiated: each Keras variable's TensorFlow
+        # variables — the shards of a partitioned one (parameter server), whose
+        # whole `ShardedVariable` Keras's tape rejects — regrouped after.
+        self.gradient_sources = None
+        if any(kc.is_sharded(v) for v in variables):
+            self.gradient_sources = [kc.variable_parts(v) for v in variables]
         # Keras's float8 scales and amax histories: their "gradient" is their
         # next value (`overwrite_with_gradient`); see `overwrite_from_replicas`.
         self.overwritten = [
-            i
-            for i, v in enumerate(model.trainable_variables)
-            if kc.overwrites_with_gradient(self.update_optimizer, v)
+            i for i, v in enumerate(variables) if kc.overwrites_with_gradient(self.update_optimizer, v)
         ]
-        k = accumulation_steps(model)
+        k = kc.keras_accumulation_steps(optimizer) or strategy.options.accumulation_steps
         self.accumulation: T.Accumulate | None = None
         with self.strategy.scope():
             if k > 1:
@@ -123,44 +191,139 @@ class TrainStep:
                     if kc.keras_accumulation_steps(self.optimizer)
                     else None
                 )
-                self.accumulation = T.Accumulate(k, model.trainable_variables, keras_counter)
+                self.accumulation = T.Accumulate(k, variables, keras_counter)
             self.reduced.build()
             if self.accumulation is not None:
                 self.accumulation.build()
+        # One replica under XLA: forward, backward, finish and update as one
+        # compiled program per step, as Keras's `jit_compile=True` does.
+        self.whole_step_xla = (
+            self.jit_compile
+            and self.strategy.num_replicas_in_sync == 1
+            and self.accumulation is None
+            and self.strategy.gradient_path.local_with_one_replica
+            and not self.overwritten
+            and not synchronized_layers
+        )
+        self._compiled_step = None
+        # Several replicas under XLA: each replica's forward and backward pass
+        # is one compiled program (one per replica, each traced in its own
+        # replica thread); gradients cross devices outside it. Per-op marking
+        # (`_compat.tf.xla_compiled_ops`), whose clusters stop where they must,
+        # stays for: synchronized BatchNorm (a collective inside the forward
+        # pass), and Embedding models, whose sparse rows are summed or
+        # all-gathered by where their indices come from
+        # (`collectives.rows_shared_by_replicas` reads the graph that makes
+        # them, which a compiled function's output hides).
+        self._compiled_forward_backward: dict[int, Callable] = {}
+        self.forward_backward_xla = (
+            self.jit_compile
+            and not self.whole_step_xla
+            and self.strategy.gradient_path.variables_on_replicas
+            and not synchronized_layers
+            and not embeddings
+        )
+        if self.whole_step_xla:
+            self._compiled_step = tf.function(
+                self._replica_whole_step, jit_compile=True, autograph=False, reduce_retracing=True
+            )
 
     # Phase 1 ---------------------------------------------------------------
-    def _forward_backward(self, x, y, sample_weight):
+    def _forward_backward(self, x, y, sample_weight, weight_factor=None):
+        """Loss and gradients of one micro-batch; `weight_factor` (a scalar) multiplies the loss.
+
+        The replica's batch weighting rides on the loss, so the backward pass
+        carries it and no pass over the gradients is needed for it.
+        """
         model = self.model
+        variables = self.variables
         with tf.GradientTape() as tape:
             y_pred = kc.call_model(model, x, training=True)
             loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=True)
             scaled = self.loss_scale.scale_loss(loss) if self.loss_scale else loss
             if self.update_optimizer.loss_scale_factor is not None:
                 scaled = scaled * self.update_optimizer.loss_scale_factor
-        grads = tape.gradient(scaled, model.trainable_variables)
-        return y_pred, loss, with_variable_shapes(grads, model.trainable_variables)
+            if weight_factor is not None:
+                scaled = scaled * tf.cast(weight_factor, scaled.dtype)
+        if self.gradient_sources is None:
+            grads = tape.gradient(scaled, variables)
+        else:
+            parts = tape.gradient(scaled, [p for ps in self.gradient_sources for p in ps])
+            grads, i = [], 0
+            for v, ps in zip(variables, self.gradient_sources):
+                grads.append(regroup(v, parts[i : i + len(ps)]))
+                i += len(ps)
+        return y_pred, loss, with_variable_shapes(grads, variables)
+
+    def _stateless_forward_backward(self, x, y, sample_weight, weight_factor=None):
+        """`_forward_backward` with no variable written: returns the layers' updates instead.
+
+        Runs in a `keras.StatelessScope`: assignments made by the forward pass
+        are recorded, not executed, and come back as `{index in
+        model.variables: new value}`; losses added by layers are collected by
+        the scope and read by `compute_loss` as usual.
+        """
+        with keras.StatelessScope(collect_losses=True) as scope:
+            y_pred, loss, grads = self._forward_backward(x, y, sample_weight, weight_factor)
+        updates = {}
+        for i, v in enumerate(self.model.variables):
+            value = scope.get_current_value(v)
+            if value is not None:
+                updates[i] = value
+        return y_pred, loss, grads, updates
+
+    def _replica_forward_backward(self) -> Callable:
+        """This replica's compiled forward and backward pass (one `tf.function` per replica).
+
+        One function per replica: MirroredStrategy traces each replica in its
+        own thread, and a function shared by the threads would be traced
+        concurrently.
+        """
+        replica = int(tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group))
+        if replica not in self._compiled_forward_backward:
+            self._compiled_forward_backward[replica] = tf.function(
+                self._stateless_forward_backward, jit_compile=True, autograph=False, reduce_retracing=True
+            )
+        return self._compiled_forward_backward[replica]
 
     def compute_gradients(self, data) -> list:
         """Replica context: `[weighted grads..., batch size]` of this micro-batch."""
         x, y, sample_weight = kc.unpack_data(data)
         batch = _first_batch_dim(x)
-        if self.jit_compile:
+        weighted = not (self.strategy.num_replicas_in_sync == 1 and self.accumulation is None)
+        weight = factor = None
+        if weighted:
+            # Keras divided the loss by the replica count; undo that and weight
+            # by this replica's batch size instead (exact for uneven splits).
+            weight = tf.cast(batch, tf.float32)
+            factor = weight * float(self.strategy.num_replicas_in_sync)
+        # On the loss, unless a loss scale is dynamic (the factor would reach
+        # float16 activations) or a float8 layer reads its output gradient's
+        # magnitude (`overwrite_with_gradient`): then on each gradient.
+        on_loss = factor if (self.loss_scale is None and not self.overwritten) else None
+        if self.forward_backward_xla:
+            y_pred, loss, grads, updates = self._replica_forward_backward()(x, y, sample_weight, on_loss)
+            # The layers' state updates (BatchNorm's moving statistics, dropout
+            # seeds), recorded inside the compiled function, are written here,
+            # in replica context, where a mirrored variable's assignment may
+            # synchronise (a `merge_call` cannot run inside a nested function).
+            for i, value in updates.items():
+                self.model.variables[i].assign(value)
+        elif self.jit_compile and not self.whole_step_xla:
             with tfc.xla_compiled_ops():
-                y_pred, loss, grads = self._forward_backward(x, y, sample_weight)
+                y_pred, loss, grads = self._forward_backward(x, y, sample_weight, on_loss)
         else:
-            y_pred, loss, grads = self._forward_backward(x, y, sample_weight)
+            y_pred, loss, grads = self._forward_backward(x, y, sample_weight, on_loss)
         kc.track_loss(self.model, loss, batch)
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         grads = self.overwrite_from_replicas(grads)
-        if self.strategy.num_replicas_in_sync == 1 and self.accumulation is None:
+        if not weighted:
             # One replica, one batch: its gradient is the step's; weight 1
             # tells the chain there is nothing to normalise.
             return list(grads) + [tf.constant(1.0)]
-        # Keras divided the loss by the replica count; undo that and weight by
-        # this replica's batch size instead (exact for uneven splits).
-        weight = tf.cast(batch, tf.float32)
-        factor = weight * float(self.strategy.num_replicas_in_sync)
-        return [_scale(g, factor) for g in grads] + [weight]
+        if on_loss is None:
+            grads = [_scale(g, factor) for g in grads]
+        return list(grads) + [weight]
 
     def overwrite_from_replicas(self, grads: list) -> list:
         """Replica context: writes the `overwrite_with_gradient` variables; `grads` without them.
@@ -185,7 +348,7 @@ class TrainStep:
         gathered = ctx.all_gather(flat[tf.newaxis], axis=0)
         pieces = tf.split(tf.reduce_max(gathered, axis=0), [v.shape.num_elements() for v in values])
         largest = [tf.reshape(p, v.shape) for p, v in zip(pieces, values)]
-        variables = [self.model.trainable_variables[i] for i in self.overwritten]
+        variables = [self.variables[i] for i in self.overwritten]
 
         def write(strategy, *new):
             for v, value in zip(variables, new):
@@ -230,7 +393,10 @@ class TrainStep:
 
             def update_fn(g):
                 update.apply_update(
-                    self.update_optimizer, g, self.model.trainable_variables, update.EveryCopy(self.strategy)
+                    self.update_optimizer,
+                    g,
+                    self.variables,
+                    self.strategy.gradient_path.placement(self.strategy),
                 )
 
         if self.loss_scale is None:
@@ -239,11 +405,18 @@ class TrainStep:
             self.loss_scale.gate(grads, update_fn)
 
     # The whole step --------------------------------------------------------
-    def __call__(self, data) -> None:
-        from tfdist.engine.paths import get_gradient_path
+    def _replica_whole_step(self, data) -> None:
+        """Replica context, one replica: all four phases (compiled by XLA as one program)."""
+        grads = self.finish(self.compute_gradients(data))
+        ctx = tf.distribute.get_replica_context()
+        ctx.merge_call(lambda strategy, g: self.apply(list(g)), args=(tuple(grads),))
 
-        path = get_gradient_path(self.strategy.gradient_path)
+    def __call__(self, data) -> None:
+        path = self.strategy.gradient_path
         with self.strategy.scope():
+            if self._compiled_step is not None:
+                self.strategy.run(self._compiled_step, args=(data,))
+                return
             if self.accumulation is None:
                 path(self, data)
                 return

@@ -21,6 +21,11 @@ communicate.
 Gradient lists flowing through the reduced chain are ordinary lists with
 `None` where a variable has no gradient. The local values entering it are
 `[grads..., weight]` (see `tfdist.engine.step`).
+
+A transformation that multiplies every gradient by one scalar (normalising by
+the batch, undoing a loss scale, clipping by the global norm) says so with
+`scalar(values, pending)`; `Chain` multiplies such runs of scalars together
+and makes one pass over the gradients for all of them, instead of one each.
 """
 
 from __future__ import annotations
@@ -53,9 +58,38 @@ class GradientTransformation:
     def update(self, values: list) -> list:
         raise NotImplementedError
 
+    def scalar(self, values: list, pending):
+        """`(values, factor)` when this transformation multiplies every gradient by `factor`.
+
+        `values` may drop entries that are not gradients (the batch weight);
+        `pending` is the scalar already owed to `values` (a float32 tensor, or
+        None for 1): a transformation that reads the gradients (a global norm)
+        accounts for it. `factor` None means 1. Returns None when the
+        transformation is not a scalar multiplication (`update` then runs).
+        """
+        return None
+
+
+def _times(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a * b
+
+
+def _multiply(grads: list, factor) -> list:
+    if factor is None:
+        return list(grads)
+    return _map(lambda g: g * tf.cast(factor, g.dtype), grads)
+
 
 class Chain(GradientTransformation):
-    """Applies transformations in order; built and updated as one."""
+    """Applies transformations in order; built and updated as one.
+
+    Consecutive scalar transformations (`GradientTransformation.scalar`) are
+    folded into one multiplication of each gradient.
+    """
 
     def __init__(self, transforms: Sequence[GradientTransformation]):
         self.transforms = [t for t in transforms if t is not None]
@@ -65,9 +99,16 @@ class Chain(GradientTransformation):
             t.build()
 
     def update(self, values: list) -> list:
+        pending = None
         for t in self.transforms:
-            values = t.update(values)
-        return values
+            folded = t.scalar(values, pending)
+            if folded is not None:
+                values, factor = folded
+                pending = _times(pending, factor)
+                continue
+            values = t.update(_multiply(values, pending))
+            pending = None
+        return _multiply(values, pending)
 
 
 def compose(*transforms: GradientTransformation | None) -> Chain:
@@ -98,6 +139,12 @@ class NormalizeByWeight(GradientTransformation):
             return list(grads)
         return _map(lambda g: tf.math.divide_no_nan(g, tf.cast(total, g.dtype)), grads)
 
+    def scalar(self, values: list, pending):
+        grads, total = values[:-1], values[-1]
+        if tf.get_static_value(total) == 1.0:
+            return list(grads), None
+        return list(grads), tf.math.divide_no_nan(1.0, tf.cast(total, tf.float32))
+
 
 def normalize_by_weight() -> NormalizeByWeight:
     return NormalizeByWeight()
@@ -111,6 +158,9 @@ class UnscaleStatic(GradientTransformation):
 
     def update(self, grads: list) -> list:
         return _map(lambda g: g / tf.cast(self.factor, g.dtype), grads)
+
+    def scalar(self, values: list, pending):
+        return values, tf.constant(1.0 / self.factor, tf.float32)
 
 
 def unscale_static(optimizer) -> UnscaleStatic | None:
@@ -131,6 +181,26 @@ class ClipByOptimizer(GradientTransformation):
 
     def update(self, grads: list) -> list:
         return kc.clip_gradients(self.optimizer, grads)
+
+    def scalar(self, values: list, pending):
+        # global_clipnorm alone scales every gradient by one factor, computed
+        # as Keras's `clip_by_global_norm` does (NaN when the norm is not
+        # finite), from the norm of the gradients with `pending` applied.
+        optimizer = self.optimizer
+        if getattr(optimizer, "clipnorm", None) or getattr(optimizer, "clipvalue", None):
+            return None
+        if not kc.clips_like_keras(optimizer):
+            return None
+        clip = float(optimizer.global_clipnorm)
+        dense = [tf.convert_to_tensor(g) for g in values if g is not None]
+        if not dense:
+            return values, None
+        norm = tf.sqrt(tf.reduce_sum(tf.stack([tf.reduce_sum(tf.square(g)) for g in dense])))
+        norm = tf.cast(norm, tf.float32)
+        if pending is not None:
+            norm = norm * tf.abs(pending)
+        factor = clip * tf.minimum(1.0 / norm, 1.0 / clip)
+        return values, factor + (norm - norm)
 
 
 def clip_by_optimizer(optimizer) -> ClipByOptimizer | None:
@@ -165,6 +235,9 @@ class DynamicLossScale(GradientTransformation):
     def update(self, grads: list) -> list:
         scale = self.lso.dynamic_scale
         return _map(lambda g: g / tf.cast(scale, g.dtype), grads)
+
+    def scalar(self, values: list, pending):
+        return values, 1.0 / tf.cast(self.lso.dynamic_scale, tf.float32)
 
     def all_finite(self, grads: list):
         """Cross-replica context: True when every replica's every gradient is finite.
@@ -314,9 +387,9 @@ class Accumulate(GradientTransformation):
 
         def branch(kind, fn, advance):
             def run_branch():
-                before = sum(collectives.trace_counter.values())
+                before = collectives.traced_collective_count()
                 fn()
-                self.traced_collectives[kind] = sum(collectives.trace_counter.values()) - before
+                self.traced_collectives[kind] = collectives.traced_collective_count() - before
                 advance()
                 return tf.constant(True)
 

@@ -9,9 +9,10 @@ need to share variables: checkpoints carry the state between them (and
 between processes).
 
 Training reuses the step engine: `_ModelFnStep` is a `tfdist.engine.TrainStep`
-whose forward pass is the `model_fn`, so gradients take the strategy's own
-gradient path (fused all-reduce, reduce to the parameter device, or a path a
-strategy registers) and the update is `tfdist.engine.update.apply_update`.
+built from parts (strategy, optimizer, variables) whose forward pass is the
+`model_fn`, so gradients take the strategy's own gradient path (fused
+all-reduce, reduce to the parameter device, or the strategy's own
+`GradientPath`) and the update is `tfdist.engine.update.apply_update`.
 """
 
 from __future__ import annotations
@@ -126,33 +127,24 @@ class _Peeked:
         return next(self._iterator)
 
 
-class _ModelFnModel:
-    """What `tfdist.engine.TrainStep` reads from a Keras model, for a `model_fn`."""
-
-    jit_compile = False
-
-    def __init__(self, strategy, optimizer, variables):
-        self.distribute_strategy = strategy
-        self.optimizer = optimizer
-        self.trainable_variables = list(variables)
-
-
 class _ModelFnStep(TrainStep):
     """The engine's training step with the `model_fn` as forward pass.
 
-    Only phase 1 differs from Keras `fit`'s step: `compute_gradients` runs
-    `model_fn` on the replica's batch and weights the gradient of its loss
-    (a mean over the replica's batch) by the batch size. Reduction, loss
-    scaling, clipping, accumulation and the update are the engine's.
+    Built from parts (`TrainStep.from_parts`: the strategy, the optimizer and
+    the `model_fn`'s trainable variables; no Keras model). Only phase 1
+    differs from Keras `fit`'s step: `compute_gradients` runs `model_fn` on
+    the replica's batch and weights the gradient of its loss (a mean over the
+    replica's batch) by the batch size. Reduction, loss scaling, clipping,
+    accumulation and the update are the engine's.
     """
 
-    def __init__(self, graph: _Graph, optimizer, variables: list):
-        self._graph = graph
-        super().__init__(_ModelFnModel(graph.strategy, optimizer, variables))
+    @classmethod
+    def build(cls, graph: _Graph, optimizer, variables: list) -> _ModelFnStep:
+        return cls.from_parts(graph.strategy, optimizer, variables, _graph=graph)
 
     def compute_gradients(self, data) -> list:
         features, labels = _split(data)
-        variables = self.model.trainable_variables
+        variables = self.variables
         loss_scale = getattr(self, "loss_scale", None)
         factor = getattr(getattr(self, "update_optimizer", self.optimizer), "loss_scale_factor", None)
         with tf.GradientTape() as tape:
@@ -660,7 +652,7 @@ class Estimator:
         variables = graph.records[ModeKeys.TRAIN].trainable_variables
         if graph.optimizer is not None and is_tfdist_strategy(strategy):
             with strategy.scope():
-                step = _ModelFnStep(graph, graph.optimizer, variables)
+                step = _ModelFnStep.build(graph, graph.optimizer, variables)
 
             def train_step(data):
                 step(data)

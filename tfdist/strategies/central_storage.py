@@ -9,6 +9,7 @@ import tensorflow as tf
 from tfdist import devices as devices_lib
 from tfdist import options as options_lib
 from tfdist._compat import tf as tfc
+from tfdist.engine import paths
 from tfdist.strategies.base import TfdistStrategy
 
 PARAMETER_DEVICE = options_lib.Option(
@@ -48,7 +49,18 @@ class CentralStorageStrategy(TfdistStrategy, tf.distribute.experimental.CentralS
 
     name = "central_storage"
     PARAMS = {"compute_devices": COMPUTE_DEVICES, "parameter_device": PARAMETER_DEVICE}
-    gradient_path = "reduce_to_variables"
+    gradient_path = paths.REDUCE_TO_VARIABLES
+
+    def unsupported(self, feature: str, model=None) -> str | None:
+        dtype = self.options.allreduce_dtype
+        if feature == "step_options" and dtype != "float32":
+            return (
+                f"allreduce_dtype={dtype!r} is not used by the 'central_storage' strategy: its "
+                "gradients are summed onto the parameter device by a reduce, not an all-reduce, and "
+                "cross devices in float32. Use 'mirrored' or 'multi_worker' for a compressed exchange, "
+                "or leave allreduce_dtype='float32'."
+            )
+        return None
 
     def __init__(
         self,

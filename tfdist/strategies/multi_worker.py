@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Optional, Union
@@ -90,7 +92,13 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             to use instead of `cluster`.
         communication: str. `"auto"` (default), `"ring"` or `"nccl"`.
         collective_timeout: Optional float. Seconds a collective waits for
-            its peers before failing; default no timeout.
+            its peers before the step fails; default 600 in a job of several
+            workers (environment TFDIST_COLLECTIVE_TIMEOUT), none for one
+            process; 0 turns it off.
+        startup_timeout: Optional float. Seconds this process waits at
+            start-up for the other tasks to answer before it raises
+            `tfdist.cluster.StartupTimeoutError` naming them; default 300
+            (environment TFDIST_STARTUP_TIMEOUT).
         devices_per_worker: Optional int. GPUs per worker to train on;
             default all of them, or one CPU replica on hosts without GPUs.
         auto_shard: str. `"auto"` (default), `"file"`, `"data"` or `"off"`.
@@ -113,6 +121,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
         "cluster_resolver": CLUSTER_RESOLVER,
         "communication": options_lib.COMMUNICATION,
         "collective_timeout": options_lib.COLLECTIVE_TIMEOUT,
+        "startup_timeout": options_lib.STARTUP_TIMEOUT,
         "devices_per_worker": options_lib.DEVICES_PER_WORKER,
         "auto_shard": AUTO_SHARD,
     }
@@ -125,6 +134,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
         collective_timeout: Optional[float] = None,
         devices_per_worker: Optional[int] = None,
         auto_shard: str = "auto",
+        startup_timeout: Optional[float] = None,
         **options,
     ):
         params = self._tfdist_init(
@@ -133,6 +143,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
                 "cluster_resolver": cluster_resolver,
                 "communication": communication,
                 "collective_timeout": collective_timeout,
+                "startup_timeout": startup_timeout,
                 "devices_per_worker": devices_per_worker,
                 "auto_shard": auto_shard,
                 **options,
@@ -147,12 +158,29 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             cluster, cluster_resolver, _num_gpus(devices_per_worker, communication)
         )
         self.auto_shard = params["auto_shard"]
+        config = self.cluster_config
+        in_cluster = config is not None and config.task_type != "evaluator"
+        # Timeouts (docs/operations.md): a job of several workers never waits forever.
+        self.startup_timeout = options_lib.seconds(
+            options_lib.STARTUP_TIMEOUT, params["startup_timeout"], options_lib.DEFAULT_STARTUP_TIMEOUT_S
+        )
+        self.collective_timeout = options_lib.seconds(
+            options_lib.COLLECTIVE_TIMEOUT, params["collective_timeout"],
+            options_lib.DEFAULT_COLLECTIVE_TIMEOUT_S if in_cluster and config.num_workers > 1 else 0,
+        ) or None
         comm = tf.distribute.experimental.CommunicationOptions(
             implementation=_IMPLEMENTATIONS[params["communication"]],
-            timeout_seconds=params["collective_timeout"],
+            timeout_seconds=self.collective_timeout,
         )
         tfc.isolate_collective_keys(self)
-        super().__init__(cluster_resolver=resolver, communication_options=comm)
+        if in_cluster:
+            source = cluster_lib.ClusterSource.of(cluster_resolver).label
+            waited = cluster_lib.wait_for_tasks(config, self.startup_timeout, source=source)
+            with cluster_lib.startup_deadline(max(self.startup_timeout - waited, 30.0)):
+                super().__init__(cluster_resolver=resolver, communication_options=comm)
+            cluster_lib.mark_serving(config)
+        else:
+            super().__init__(cluster_resolver=resolver, communication_options=comm)
         run_creation_hooks("multi_worker", self)
 
     @classmethod
@@ -197,6 +225,34 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             return path
         return os.path.join(_worker_temp_dir(self), os.path.basename(path.rstrip("/")) or "out")
 
+    def explain_collective_error(self, error: Exception) -> Optional[Exception]:
+        """The error to raise instead of TensorFlow's collective timeout, or `None` for any other error.
+
+        TensorFlow says only `Collective has timed out during execution.`; the
+        error returned (of the same type) names the option, its value, the
+        job's tasks and what to do.
+        """
+        if not isinstance(error, tf.errors.DeadlineExceededError) or "Collective has timed out" not in str(error):
+            return None
+        config = self.cluster_config
+        tasks = ", ".join(
+            f"{cluster_lib.task_name(job, i)} at {address}"
+            for job, addresses in (config.cluster.items() if config else ())
+            for i, address in enumerate(addresses)
+        )
+        me = cluster_lib.task_name(config.task_type, config.task_id) if config else "this process"
+        message = (
+            f"A collective (all-reduce or broadcast) of {me} waited longer than collective_timeout="
+            f"{self.collective_timeout:g} s for the other tasks of the job ({tasks}): one of them is stuck "
+            "in Python, much slower, or gone without its TensorFlow runtime noticing; TensorFlow cannot "
+            "tell which. Look at the other tasks' output. If a task legitimately takes longer between "
+            "steps (the chief writing a large checkpoint, a slow first step), raise collective_timeout= "
+            "(environment TFDIST_COLLECTIVE_TIMEOUT; 0 turns it off). TensorFlow aborted this process's "
+            "collectives: restart the job (tfdist launch --restarts K).\n"
+            f"TensorFlow's error: {error}"
+        )
+        return type(error)(getattr(error, "node_def", None), getattr(error, "op", None), message)
+
     def remove_write_dir(self, written: Union[str, os.PathLike]) -> None:
         """Removes what a non-chief worker wrote to the path `write_dir` gave it; no-op on the chief."""
         if self.is_chief:
@@ -207,14 +263,62 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
 
 
 def _worker_temp_dir(strategy) -> str:
-    # tempfile.mkdtemp cannot clash between workers on one host.
+    # tempfile.mkdtemp cannot clash between workers on one host. The pid in the
+    # name lets the next process tell a killed worker's leftovers (issue 15).
     existing = getattr(strategy, "_tfdist_temp_dir", None)
     if existing is None or not os.path.isdir(existing):
         cfg = strategy.cluster_config
         label = f"{cfg.task_type}{cfg.task_id}" if cfg else "worker"
-        existing = tempfile.mkdtemp(prefix=f"tfdist_{label}_")
+        remove_stale_write_dirs()
+        existing = tempfile.mkdtemp(prefix=f"tfdist_{label}_{os.getpid()}_")
+        _made_here.add(existing)
+        # On any exit but SIGKILL; a killed worker's folder goes at the next start.
+        atexit.register(shutil.rmtree, existing, True)
         strategy._tfdist_temp_dir = existing
     return existing
+
+
+_made_here: set = set()
+_WRITE_DIR = re.compile(r"^tfdist_(?:chief|worker|ps|evaluator)\d*_(\d+)_")
+
+
+def remove_stale_write_dirs(parent: Optional[str] = None) -> list[str]:
+    """Removes non-chief write directories (`write_dir`) left by processes no longer running.
+
+    A worker killed by SIGKILL cannot remove its temporary directory; the next
+    worker to make one on the same host (a restarted job) removes it. A
+    directory whose pid runs is kept, unless that pid is this process's and
+    the directory was not made here (the pid was reused).
+
+    Args:
+        parent: str or None. The folder to clean (default `tempfile.gettempdir()`).
+
+    Returns:
+        The paths removed, sorted.
+    """
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _WRITE_DIR.match(entry)
+        path = os.path.join(parent, entry)
+        if match is None or path in _made_here or not os.path.isdir(path):
+            continue
+        pid = int(match.group(1))
+        if pid != os.getpid():
+            try:
+                os.kill(pid, 0)
+                continue  # still running
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return sorted(removed)
 
 
 def _with_shard_policy(dataset, policy: str):

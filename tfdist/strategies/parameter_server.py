@@ -16,6 +16,7 @@ import tensorflow as tf
 from tfdist import cluster as cluster_lib
 from tfdist import options as options_lib
 from tfdist._compat import tf as tfc
+from tfdist.engine import parameter_server as ps_engine
 from tfdist.strategies.base import TfdistStrategy, run_creation_hooks
 
 _PARTITIONER_SPEC = re.compile(r"^(num_shards|max_shard_bytes|min_shard_bytes):([1-9][0-9]*)$")
@@ -153,6 +154,12 @@ def _partitioner_from_spec(spec, num_ps: int):
     if kind == "max_shard_bytes":
         return partitioners.MaxSizePartitioner(int(value), max_shards=num_ps)
     return partitioners.MinSizePartitioner(int(value), max_shards=num_ps)
+
+
+def _config_of(resolver) -> cluster_lib.ClusterConfig:
+    """The resolver's cluster as a `ClusterConfig`; a coordinator outside it (no task) is `chief:0`."""
+    spec = {job: tuple(addresses) for job, addresses in resolver.cluster_spec().as_dict().items()}
+    return cluster_lib.ClusterConfig(spec, resolver.task_type or "chief", resolver.task_id or 0)
 
 
 class ServingTask:
@@ -370,6 +377,10 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
             this process the coordinator; its cluster needs no chief.
         join: bool. On worker and ps tasks, block and exit when the job ends
             (default `True`); `False` returns a `ServingTask` instead.
+        startup_timeout: Optional float. Seconds the chief waits for every
+            worker and ps task to answer before it raises
+            `tfdist.cluster.StartupTimeoutError` naming them; default 300
+            (environment TFDIST_STARTUP_TIMEOUT).
         **options: step options (see `tfdist.options.STEP_OPTIONS`).
 
     Example:
@@ -394,14 +405,14 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
         "variable_partitioner": VARIABLE_PARTITIONER,
         "cluster_resolver": CLUSTER_RESOLVER,
         "join": JOIN,
+        "startup_timeout": options_lib.STARTUP_TIMEOUT,
     }
-    gradient_path = "parameter_server"
+    gradient_path = ps_engine.PARAMETER_SERVER
+    host_loop = ps_engine.COORDINATOR
     asynchronous = True
 
     def unsupported(self, feature: str, model=None) -> str | None:
-        from tfdist.engine.parameter_server import unsupported_feature
-
-        return unsupported_feature(feature, model)
+        return ps_engine.unsupported_feature(feature, model)
 
     def __new__(cls, variable_partitioner=None, cluster_resolver=None, join=True, **options):
         # Validate everything before a server starts or the process blocks.
@@ -411,7 +422,9 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
             {"variable_partitioner": variable_partitioner, "cluster_resolver": cluster_resolver, "join": join, **options},
         )
         resolver = _resolve_cluster(params.get("cluster_resolver"))
+        config = _config_of(resolver)
         if resolver.task_type in ("worker", "ps"):
+            cluster_lib.check_port_free(config, cluster_lib.ClusterSource.of(cluster_resolver).label)
             server = tf.distribute.Server(
                 resolver.cluster_spec(),
                 job_name=resolver.task_type,
@@ -446,14 +459,24 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
         resolver = self._tfdist_resolver
         num_ps = len(resolver.cluster_spec().as_dict()["ps"])
         partitioner = _partitioner_from_spec(params.get("variable_partitioner"), num_ps)
-        super().__init__(resolver, variable_partitioner=partitioner)
+        # TensorFlow's connection to the cluster blocks, holding the GIL, until every task answers.
+        timeout = options_lib.seconds(
+            options_lib.STARTUP_TIMEOUT, params.get("startup_timeout"), options_lib.DEFAULT_STARTUP_TIMEOUT_S
+        )
+        config = _config_of(resolver)
+        serving = [(job, i) for job in ("ps", "worker") for i in range(len(config.cluster[job]))]
+        waited = cluster_lib.wait_for_tasks(config, timeout, serving, hold_own_port=False,
+                                            source=cluster_lib.ClusterSource.of(cluster_resolver).label)
+        with cluster_lib.startup_deadline(max(timeout - waited, 30.0)):
+            super().__init__(resolver, variable_partitioner=partitioner)
+        cluster_lib.mark_serving(config)
+        self._tfdist_params.pop("startup_timeout", None)
         self._tfdist_params.pop("cluster_resolver", None)
         self._tfdist_params.pop("join", None)
         tfc.colocate_slots_with_shards(self)
         run_creation_hooks("parameter_server", self)
         # The coordinator is one per strategy; tf-keras's fit finds the same one.
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
-        from tfdist.engine import parameter_server  # noqa: F401  (registers the gradient path)
 
     @property
     def task_type(self) -> str:

@@ -2,27 +2,30 @@
 
 Plain data parallelism keeps a full copy of the optimizer state on every
 replica: Adam's two float32 slots are 8 bytes per parameter on each device.
-Here each replica owns one even, contiguous 1/N slice of the flattened
-trainable parameters (`tfdist.sharding.FlatLayout`) and keeps the optimizer
-state of that slice only (Rajbhandari et al., "ZeRO", 2020).
+Here each replica owns one even 1/N slice of the flattened trainable
+parameters — one chunk of every bucket (`tfdist.sharding.FlatLayout`) — and
+keeps the optimizer state of that slice only (Rajbhandari et al., "ZeRO",
+2020).
 
 One step, per replica:
 
 1. local gradients (the step engine's phase 1);
 2. reduction to the replica's slice: stage 1 all-reduces the gradients and
-   keeps its slice; stage 2 reduce-scatters the flattened gradient
-   (`tfdist.collectives.reduce_scatter_sum`), so after reduction a replica
-   holds only its gradient slice;
+   keeps its slice; stage 2 reduce-scatters the flattened gradient bucket by
+   bucket (`tfdist.collectives.reduce_scatter_sum`), so a replica never holds
+   more than its gradient slice and two buckets;
 3. the engine's `finish` on the slice (normalise, unscale, clip — clipping
    norms are summed across slices, so `clipnorm` and `global_clipnorm` match
    one device);
-4. the optimizer's own `update_step` on the slice, with its state for the
-   slice only; weight decay, learning-rate schedules and EMA as in Keras;
-5. all-gather of the updated slices into the replicated model variables.
+4. the optimizer's own `update_step` on the slice, read from the weights and
+   updated as a tensor (no float32 copy of it is kept), with its state for
+   the slice only; weight decay, learning-rate schedules and EMA as in Keras;
+5. all-gather of the updated chunks bucket by bucket, each written straight
+   into the replicated model variables it completes.
 
 The model's optimizer is the user's Keras optimizer, unchanged in class and
-config; it is built on one flat per-replica variable instead of the model's
-variables, and it saves and loads a canonical (unsharded) state, the one a
+config; it is built on one flat per-replica variable (which holds no memory)
+instead of the model's variables, and it saves and loads a canonical (unsharded) state, the one a
 single-device optimizer would save, so checkpoints move freely between this
 strategy, mirrored, one device and other replica counts.
 
@@ -47,8 +50,14 @@ from tfdist import options as options_lib
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
 from tfdist.engine import update
-from tfdist.engine.paths import register_gradient_path
-from tfdist.sharding import FlatLayout, dense_only, gather_shard, gather_shard_slices, has_sparse
+from tfdist.engine.paths import GradientPath
+from tfdist.sharding import (
+    FlatLayout,
+    dense_only,
+    gather_shard,
+    gather_shard_slices,
+    has_sparse,
+)
 from tfdist.strategies.mirrored import MirroredStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
@@ -83,10 +92,18 @@ _TF_KERAS_MESSAGE = (
 class _ShardedStrategyMixin:
     """What the single-host and the multi-worker sharded strategies share."""
 
-    gradient_path = "sharded_optimizer"
+    # Reduce-scatter, update of the owned slices, all-gather (`sharded_optimizer_path`, below).
+    gradient_path = GradientPath("sharded_optimizer", lambda step, data: sharded_optimizer_path(step, data))
     stage: int
 
     def unsupported(self, feature: str, model=None) -> str | None:
+        dtype = self.options.allreduce_dtype
+        if feature == "step_options" and dtype != "float32" and self.stage == 2:
+            return (
+                f"allreduce_dtype={dtype!r} is not used by the 'sharded_optimizer' strategy at stage=2: "
+                "its reduce-scatter exchanges float32. Use stage=1 (whose all-reduce it compresses), or "
+                "leave allreduce_dtype='float32'."
+            )
         if feature == "loss_scale_optimizer":
             return (
                 "LossScaleOptimizer (mixed_float16 dynamic loss scaling) is not supported by "
@@ -258,7 +275,7 @@ class MultiWorkerShardedOptimizerStrategy(_ShardedStrategyMixin, MultiWorkerMirr
 
 def _check_stage(stage) -> None:
     if isinstance(stage, bool) or stage not in (1, 2):
-        raise ValueError(f"Argument 'stage' must be 1 or 2. Received: stage={stage!r}")
+        raise options_lib.OptionError(f"Argument 'stage' must be 1 or 2. Received: stage={stage!r}")
 
 
 # The multi-worker strategy's own arguments: any of them selects the multi-worker variant.
@@ -299,11 +316,12 @@ class ShardedState:
 
     Attributes:
         layout: the `FlatLayout` of the model's trainable variables.
-        flat: the per-replica float32 slice (a mirrored variable whose copy on
-            replica `r` holds slice `r`); the optimizer's only variable.
+        flat: the variable the optimizer is built on: a mirrored variable of
+            `S` elements per replica in name, none in memory (released after
+            the build). It gives the slots their shape, devices and key; each
+            step updates the slice read from the model's weights in its place
+            (`_OwnedSlices`).
         variables: the model's trainable variables, in layout order.
-        gradient_buffer_bytes: bytes of reduced gradient each replica's step
-            materialises, recorded when the step is traced.
     """
 
     def __init__(self, strategy: ShardedOptimizerStrategy, optimizer):
@@ -315,7 +333,6 @@ class ShardedState:
         self.entries: list = []
         self.slots: dict = {}
         self.decay: list | None = None
-        self.gradient_buffer_bytes: int | None = None
         self._checkpoint_children: dict | None = None
         self._gather_functions: dict = {}
 
@@ -341,7 +358,9 @@ class ShardedState:
                 "Train float8 models under mirrored, central_storage or multi_worker."
             )
         self.variables = variables
-        self.layout = FlatLayout.for_variables(variables, self.strategy.num_replicas_in_sync)
+        self.layout = FlatLayout.for_variables(
+            variables, self.strategy.num_replicas_in_sync, self.strategy.options.bucket_bytes
+        )
         with self.strategy.scope():
             self.flat = keras.Variable(
                 initializer="zeros",
@@ -362,6 +381,15 @@ class ShardedState:
                     weights = self.layout.flatten_numpy([np.asarray(v.numpy()) for v in variables])
                     for slot in initial:
                         self._scatter_eager(self.slots[slot], weights)
+            # The flat variable only names the optimizer's slots (their shape,
+            # devices and key): the update reads each slice from the weights
+            # (`_OwnedSlices`), so no float32 copy of the slice is kept.
+            with tf.init_scope():
+                for _, copy in self._components(self.flat):
+                    with tf.device(copy.device):
+                        tf.raw_ops.AssignVariableOp(
+                            resource=copy.handle, value=tf.zeros([0], tf.float32), validate_shape=False
+                        )
         if optimizer.weight_decay is not None:
             self.decay = [kc.uses_weight_decay(optimizer, v) for v in variables]
         self._checkpoint_children = None
@@ -457,7 +485,7 @@ class ShardedState:
         return len(self.strategy.extended.worker_devices) != self.strategy.num_replicas_in_sync
 
     def _gather_tensor(self, variable) -> tf.Tensor:
-        """Every replica's slice of `variable`, concatenated in replica order (on this worker).
+        """The whole flat `variable` (padded), from every replica's slice (on this worker).
 
         Across workers this is an all-gather, a collective: every worker must
         call it, in the same order (saving is done by every worker).
@@ -465,7 +493,7 @@ class ShardedState:
         if not self.across_workers:
             comps = [c for _, c in self._components(variable)]
             with tf.device("/cpu:0"):
-                return tf.concat([tf.convert_to_tensor(c) for c in comps], axis=0)
+                return self.layout.from_slices(tf.concat([tf.convert_to_tensor(c) for c in comps], axis=0))
         v = kc.tf_variable(variable)
         function = self._gather_functions.get(id(v))
         if function is None:
@@ -477,11 +505,12 @@ class ShardedState:
             # Traced once per variable: eager `strategy.run` would retrace TensorFlow's gather every call.
             function = tf.function(lambda: strategy.experimental_local_results(strategy.run(gather))[0])
             self._gather_functions[id(v)] = function
-        return function()
+        return self.layout.from_slices(function())
 
     def _gather_eager(self, variable) -> np.ndarray:
         if not self.across_workers:
-            return np.concatenate([np.asarray(c.numpy()) for _, c in self._components(variable)])
+            slices = np.concatenate([np.asarray(c.numpy()) for _, c in self._components(variable)])
+            return self.layout.from_slices(slices)
         return np.asarray(self._gather_tensor(variable).numpy())
 
     def canonical_values(self) -> list[np.ndarray]:
@@ -525,10 +554,10 @@ class ShardedState:
             self._scatter_eager(self.slots[slot], self.layout.flatten_numpy(arrays))
 
     def _scatter_eager(self, variable, flat: np.ndarray) -> None:
-        size = self.layout.shard_size
+        slices = self.layout.to_slices_numpy(flat)
         for r, component in self._components(variable):
             with tf.device(component.device):
-                component.assign(flat[r * size:(r + 1) * size])
+                component.assign(slices[r])
 
     def _canonical_children(self) -> dict:
         def value_of(slot, index):
@@ -542,15 +571,13 @@ class ShardedState:
                 # One model variable's piece of a slot: rewrite the parts of
                 # this worker's slices that cover it (eagerly; restoring runs
                 # eagerly; no collective, so workers need not restore in step).
-                offset, size = self.layout.offsets[index], self.layout.sizes[index]
                 piece = np.asarray(value, np.float32).reshape(-1)
-                shard = self.layout.shard_size
                 for r, component in self._components(self.slots[slot]):
-                    lo = r * shard
-                    start, stop = max(lo, offset), min(lo + shard, offset + size)
-                    if start < stop:
+                    mine = [p for p in self.layout.pieces(r) if p.variable == index]
+                    if mine:
                         current = np.array(component.numpy())
-                        current[start - lo:stop - lo] = piece[start - offset:stop - offset]
+                        for p in mine:
+                            current[p.offset:p.offset + p.stop - p.start] = piece[p.start:p.stop]
                         with tf.device(component.device):
                             component.assign(current)
 
@@ -581,17 +608,12 @@ class ShardedState:
         replica = tf.get_static_value(ctx.replica_id_in_sync_group)
         grads = values[:-1]
         if self.strategy.stage == 1:
-            summed = collectives.all_reduce_sum(values, bucket_bytes)
+            summed = collectives.all_reduce_sum(values, bucket_bytes, self.strategy.options.allreduce_dtype)
             grads = summed[:-1]
-            # Every reduced gradient (a sparse one once densified) has its variable's size.
-            held = self.layout.total * 4
             shard = gather_shard(self.layout, dense_only(grads), replica)
             total = summed[-1]
         else:
-            shard = collectives.reduce_scatter_sum(dense_only(grads), self.layout, bucket_bytes)
-            # The fallback reduce-scatter all-reduces every chunk: the reduced
-            # outputs it materialises cover the whole padded flat vector.
-            held = self.layout.shard_size * self.layout.num_shards * 4
+            shard = collectives.reduce_scatter_sum(dense_only(grads), self.layout)
             total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values[-1])
             if has_sparse(grads):
                 # Sparse rows are all-gathered, as under mirrored, never densified.
@@ -600,56 +622,116 @@ class ShardedState:
                 )
         if has_sparse(grads):
             shard = gather_shard_slices(self.layout, shard, grads, replica)
-        self.gradient_buffer_bytes = held
         return [shard, total]
+
+    def gradient_buffer_estimate(self) -> int:
+        """Bytes of reduced gradient one replica's step holds at most (not counting sparse rows).
+
+        Stage 1: every reduced gradient, whole (each has its variable's size).
+        Stage 2: the replica's slice, plus the two buckets (`N` chunks each) that
+        can be alive at once (`tfdist.collectives.reduce_scatter_sum`).
+        """
+        layout = self.layout
+        if self.strategy.stage == 1:
+            return layout.total * 4
+        bucket = layout.num_shards * layout.chunk_size
+        return (layout.shard_size + min(2, layout.num_buckets) * bucket) * 4
 
     def apply_reduced(self, grads: list) -> None:
         """Cross-replica context (the engine's step): update every slice, then all-gather into the model."""
-        self._update_slices(grads)
-        self._assign_model(self.strategy.run(self._gathered_values))
+        updated = self._update_slices(grads)
+        pending: dict = {}
+        after: dict = {}
+        for k in range(self.layout.num_buckets):
+            gathered = self.strategy.run(lambda k=k: self._gather_bucket(k, updated, after))
+            self._write_bucket(k, gathered, pending, after)
+        self._finish_step()
 
-    def _update_slices(self, grads: list) -> None:
-        """Cross-replica context: each replica's optimizer update of its own slice."""
-        strategy, layout = self.strategy, self.layout
-        variables = [kc.tf_variable(v) for v in self.variables]
+    def _update_slices(self, grads: list):
+        """Cross-replica context: each replica's optimizer update of its own slice.
 
-        # The model variables are the truth (set_weights, load_weights and
-        # checkpoints write them): each replica's slice starts from them.
-        def refresh(v):
-            replica = tfc.replica_id_in_sync_group(strategy, tfc.update_replica_id())
-            return v.assign(gather_shard(layout, [tf.convert_to_tensor(x) for x in variables], replica))
-
-        flat = kc.tf_variable(self.flat)
-        strategy.extended.update(flat, refresh, group=False)
+        Returns the updated slices, `{job-wide replica id: S-element tensor}`
+        for this worker's replicas, for the all-gather. Each replica's slice is read from the model's
+        variables — they are the truth: `set_weights`, `load_weights` and
+        restored checkpoints write them — and updated as a tensor
+        (`_OwnedSlices`): no copy of the slice outlives the step.
+        """
+        placement = _OwnedSlices(self)
 
         def mask():
             # Evaluated where each replica's update runs: decay only the
             # elements of variables that take weight decay.
-            replica = tfc.replica_id_in_sync_group(strategy, tfc.update_replica_id())
-            return layout.mask(replica, self.decay)
+            replica = tfc.replica_id_in_sync_group(self.strategy, tfc.update_replica_id())
+            return self.layout.mask(replica, self.decay)
 
         (g,) = grads
         update.apply_update(
-            self.optimizer, [g], [self.flat], update.EveryCopy(strategy),
+            self.optimizer, [g], [self.flat], placement,
             decay_mask=mask if self.decay is not None else None, constrain=False, count=False,
         )
+        return {replica: stand_in.value for replica, stand_in in placement.stand_ins.items()}
 
     @tf.autograph.experimental.do_not_convert
-    def _gathered_values(self) -> list:
-        """Replica context: every variable's updated value, all-gathered from the slices."""
-        dtypes = [v.dtype for v in self.variables]
-        constraints = [v.constraint for v in self.variables]
-        full = collectives.all_gather_shards(tf.convert_to_tensor(kc.tf_variable(self.flat)))
-        values = self.layout.unflatten(full, dtypes)
-        return [c(t) if c is not None else t for c, t in zip(constraints, values)]
+    def _gather_bucket(self, k: int, updated: dict, after: dict) -> tf.Tensor:
+        """Replica context: bucket `k` of the updated parameters, all-gathered from every replica's chunk.
+
+        Sent once this replica has written the previous bucket into the model
+        (`after`), so that about one gathered bucket is alive at a time.
+        """
+        ctx = tf.distribute.get_replica_context()
+        replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
+        c = self.layout.chunk_size
+        with tf.control_dependencies(after.get(replica, [])):
+            chunk = tf.identity(updated[replica][k * c:(k + 1) * c])
+        return collectives.all_gather_shards(chunk)
 
     @tf.autograph.experimental.do_not_convert
-    def _assign_model(self, values) -> None:
-        """Cross-replica context: writes gathered values into the model; the step is done."""
-        for v, value in zip(self.variables, values):
-            self.strategy.extended.update(
-                kc.tf_variable(v), lambda x, t: x.assign(t), args=(value,), group=False
+    def _write_bucket(self, k: int, gathered, pending: dict, after: dict) -> None:
+        """Cross-replica context: assigns the variables that bucket `k` completes, straight from it.
+
+        A bucket is a contiguous range of the flat parameters: a variable
+        inside it is assigned from a slice of the gathered bucket (no
+        whole-model buffer, unpadding copy or split); a variable that goes on
+        into the next bucket waits in `pending`, and is assigned from its
+        pieces once its last bucket arrives (a copy of that one variable).
+        `after` gets each replica's assignments and gathered bucket, for the
+        next bucket to wait on.
+        """
+        layout, strategy = self.layout, self.strategy
+        done: dict = {}
+        for p in layout.range_pieces(*layout.bucket_range(k)):
+            parts = pending.setdefault(p.variable, [])
+            parts.append((gathered, p.offset, p.stop - p.start))
+            if p.stop < layout.sizes[p.variable]:
+                continue
+            del pending[p.variable]
+
+            def write(x, *values, parts=parts, shape=layout.shapes[p.variable]):
+                pieces = [value[offset:offset + count] for value, (_, offset, count) in zip(values, parts)]
+                whole = pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
+                op = x.assign(tf.reshape(whole, shape), read_value=False)
+                replica = int(tfc.replica_id_in_sync_group(strategy, tfc.update_replica_id()))
+                done.setdefault(replica, []).append(op)
+                return op
+
+            strategy.extended.update(
+                kc.tf_variable(self.variables[p.variable]), write, args=tuple(g for g, _, _ in parts), group=False
             )
+        after.clear()
+        for i, value in enumerate(strategy.experimental_local_results(gathered)):
+            replica = int(tfc.replica_id_in_sync_group(strategy, i))
+            after[replica] = done.get(replica, []) + [value]
+
+    @tf.autograph.experimental.do_not_convert
+    def _finish_step(self) -> None:
+        """Cross-replica context: constraints on the whole variables, as in Keras; the step is done."""
+        for v in self.variables:
+            if v.constraint is not None:
+                self.strategy.extended.update(
+                    kc.tf_variable(v),
+                    lambda x, c=v.constraint: x.assign(c(tf.convert_to_tensor(x)), read_value=False),
+                    group=False,
+                )
         kc.advance_iterations(self.optimizer)
 
     # Not converted by autograph (plain Python around TensorFlow calls): converting
@@ -706,13 +788,57 @@ class ShardedState:
         ordered = [tf.convert_to_tensor(g) if isinstance(g, keras.Variable) else g for g in ordered]
         shard, _ = self.reduce(self.strategy.options.bucket_bytes, ordered + [tf.constant(1.0)])
         (shard,) = self._clip_gradients([shard])
-        ctx.merge_call(lambda _, g: self._update_slices([g]), args=(shard,))
-        values = self._gathered_values()
-        ctx.merge_call(lambda _, *v: self._assign_model(v), args=tuple(values))
+        updated = ctx.merge_call(lambda _, g: self._update_slices([g]), args=(shard,))
+        pending: dict = {}
+        after: dict = {}
+        for k in range(self.layout.num_buckets):
+            gathered = self._gather_bucket(k, updated, after)
+            ctx.merge_call(lambda _, g, k=k: self._write_bucket(k, g, pending, after), args=(gathered,))
+        ctx.merge_call(lambda _: self._finish_step())
 
     def _assign_model_variables(self, flat: np.ndarray) -> None:
         for v, value in zip(self.variables, self.layout.unflatten_numpy(flat)):
             v.assign(value)
+
+
+class _OwnedSlices(update.Placement):
+    """Where the sharded optimizer's update runs: each replica's owned slice, as a tensor.
+
+    `apply_update` updates the optimizer's flat variable (`ShardedState.flat`,
+    which holds no elements: it only names the slots); here each replica's
+    update reads its slice from the model's variables into a
+    `VariableStandIn`, which the optimizer's `update_step`, weight decay and
+    EMA overwrite update in its place. Other variables (the EMA averages) are
+    updated on every copy, with the stand-in's value wherever the flat
+    variable is an argument.
+
+    Args:
+        state: the `ShardedState`.
+    """
+
+    def __init__(self, state: ShardedState):
+        self.state = state
+        self.stand_ins: dict = {}
+        flat = kc.tf_variable(state.flat)
+        # `extended.update` hands a mirrored argument over whole, a copy of it as itself.
+        self.flat_copies = {id(flat)} | {id(c) for c in state.strategy.experimental_local_results(flat)}
+
+    def stand_in(self):
+        """Inside `strategy.extended.update`: this replica's slice (read from the model at first use)."""
+        state = self.state
+        replica = int(tfc.replica_id_in_sync_group(state.strategy, tfc.update_replica_id()))
+        if replica not in self.stand_ins:
+            weights = [tf.convert_to_tensor(kc.tf_variable(v)) for v in state.variables]
+            value = gather_shard(state.layout, weights, replica)
+            self.stand_ins[replica] = kc.VariableStandIn(state.optimizer, state.flat, value)
+        return self.stand_ins[replica]
+
+    def run(self, variable, fn, *args) -> None:
+        def on_replica(copy, *values):
+            values = [self.stand_in().value if id(v) in self.flat_copies else v for v in values]
+            return fn(self.stand_in() if variable is self.state.flat else copy, *values)
+
+        self.state.strategy.extended.update(kc.tf_variable(variable), on_replica, args=args, group=False)
 
 
 # Keras optimizers keep some slot lists as attributes (checkpointed by name).
@@ -736,5 +862,3 @@ def sharded_optimizer_path(step, data) -> None:
     grads = step.strategy.run(replica_fn, args=(data,))
     step.apply(grads, update_fn=state.apply_reduced)
 
-
-register_gradient_path("sharded_optimizer", sharded_optimizer_path)

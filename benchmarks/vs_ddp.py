@@ -1,0 +1,374 @@
+"""tfdist multi_worker against PyTorch DDP: the same jobs at 1 and 2 workers, beside the host's ceiling.
+
+    python benchmarks/vs_ddp.py [--quick] [--epochs 4] [--steps 20] [--per-worker-batch 128]
+
+Weak scaling, as multi-worker jobs run: every worker keeps its batch
+(`--per-worker-batch`, default 128), SGD, synthetic data, on three models:
+the MLPs 64-512-512-10 and 64-2048-2048-2048-10 and a small convnet
+(16x16x3 images, two 3x3 convolutions of 16 and 32 channels, each followed by
+2x2 max pooling, then Dense(10)). Every worker process is pinned to one core
+(`os.sched_setaffinity`, worker i on core i) and runs one thread
+(TensorFlow's intra/inter-op threads 1, `torch.set_num_threads(1)`).
+
+* tfdist: `multi_worker` jobs started with `tfdist.launch.run_job` (real
+  TF_CONFIG, separate processes, free 127.0.0.1 ports), and the same jobs
+  under `sharded_optimizer` (stage 1 and 2) across workers as extra rows;
+  timed by the chief over the epochs after the first (which traces).
+* PyTorch: `DistributedDataParallel` over gloo on CPU, one process per
+  worker (`torch.distributed` on a free 127.0.0.1 port), timed by rank 0 over
+  the same number of steps after one untimed epoch. Skipped, with a message,
+  when torch is not installed (`pip install -e .[bench]` installs the CPU
+  wheel, torch==2.13.0).
+
+Throughput is samples/s of the whole job, and
+
+    efficiency = samples/s with 2 workers / (2 * samples/s with 1 worker).
+
+Two single-thread processes on this host do not get two cores' worth of
+work (shared caches, memory bandwidth, frequency, other load): the host's
+ceiling is measured in the same run as two independent single-thread
+float32 matmul processes against one (`ceiling = their rate / (2 * one's
+rate)`), before the jobs and again after them, and each efficiency is also
+given as a fraction of the mean of the two.
+
+Prints a table and writes benchmarks/results/vs_ddp.json (with the load
+average before and after). Never asserts: timing depends on the machine and
+on what else runs on it. Every process started here is stopped on every exit
+path (`run_job` stops its tasks; DDP and matmul processes run in their own
+process groups, killed in a `finally`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import common  # noqa: E402 (benchmarks/common.py, beside this script)
+
+MODELS = ("mlp_small", "mlp_large", "convnet")
+MODEL_NAMES = {"mlp_small": "64-512-512-10", "mlp_large": "64-2048-2048-2048-10", "convnet": "convnet 16x16x3"}
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+              "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+              "PYTHONWARNINGS": "ignore::UserWarning"}
+SAMPLES = 1024  # rows of synthetic data per worker, cycled
+
+
+def synthetic(model: str, rows: int, seed: int = 0):
+    """Synthetic inputs and int labels for `model` (NumPy, channels last for images)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shape = (rows, 16, 16, 3) if model == "convnet" else (rows, 64)
+    return rng.standard_normal(shape).astype("float32"), rng.integers(0, 10, rows).astype("int32")
+
+
+# --- tfdist ----------------------------------------------------------------
+def keras_model(name: str):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    if name == "convnet":
+        layers = [keras.Input((16, 16, 3)),
+                  keras.layers.Conv2D(16, 3, padding="same", activation="relu"), keras.layers.MaxPooling2D(),
+                  keras.layers.Conv2D(32, 3, padding="same", activation="relu"), keras.layers.MaxPooling2D(),
+                  keras.layers.Flatten(), keras.layers.Dense(10)]
+    else:
+        hidden = [512, 512] if name == "mlp_small" else [2048, 2048, 2048]
+        layers = [keras.Input((64,))] + [keras.layers.Dense(h, activation="relu") for h in hidden]
+        layers.append(keras.layers.Dense(10))
+    model = keras.Sequential(layers)
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def tf_worker(args) -> None:
+    """One process of a tfdist job (TF_CONFIG is set by the launcher)."""
+    config = json.loads(os.environ["TF_CONFIG"])
+    index, workers = config["task"]["index"], len(config["cluster"]["worker"])
+    common.pin_to_one_core(index)
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import tfdist
+    from tfdist.timing import EpochTimer
+
+    kwargs = {"stage": args.stage} if args.strategy == "sharded_optimizer" else {}
+    strategy = tfdist.get_strategy(args.strategy, **kwargs)
+    # A one-worker sharded_optimizer job is the local strategy, which has no num_workers.
+    global_batch = args.per_worker_batch * workers
+    x, y = synthetic(args.model, SAMPLES * workers)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch, drop_remainder=True)
+    with strategy.scope():
+        model = keras_model(args.model)
+    timer = EpochTimer()
+    model.fit(dataset, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0, callbacks=[timer])
+    steady = timer.steady_times()
+    if index == 0:  # the chief (no `chief` task in these jobs)
+        with open(args.out, "w") as f:
+            json.dump({"samples_per_s": args.steps * global_batch * len(steady) / sum(steady)}, f)
+
+
+def run_tfdist(strategy: str, model: str, workers: int, args, stage: int = 1, env: dict | None = None) -> float:
+    from tfdist.launch import run_job
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        command = [sys.executable, os.path.abspath(__file__), "--tf-worker", "--out", out,
+                   "--strategy", strategy, "--stage", str(stage), "--model", model,
+                   "--epochs", str(args.epochs), "--steps", str(args.steps),
+                   "--per-worker-batch", str(args.per_worker_batch)]
+        status = run_job(command, workers=workers, env={**THREAD_ENV, **(env or {})}, timeout=args.timeout)
+        if status != 0 or not os.path.exists(out):
+            print(f"  {strategy} {model} {workers} worker(s): job failed with status {status}", flush=True)
+            return float("nan")
+        with open(out) as f:
+            return json.load(f)["samples_per_s"]
+
+
+# --- PyTorch DDP -----------------------------------------------------------
+def torch_model(name: str):
+    import torch.nn as nn
+
+    if name == "convnet":
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Flatten(), nn.Linear(32 * 4 * 4, 10))
+    hidden = [512, 512] if name == "mlp_small" else [2048, 2048, 2048]
+    layers, width = [], 64
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def ddp_worker(args) -> None:
+    """One process of a DDP job (RANK, WORLD_SIZE, MASTER_ADDR/PORT set by `run_ddp`)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    common.pin_to_one_core(rank)
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = DistributedDataParallel(torch_model(args.model))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        x, y = synthetic(args.model, SAMPLES, seed=rank)
+        x = torch.from_numpy(x.transpose(0, 3, 1, 2).copy() if x.ndim == 4 else x)
+        y = torch.from_numpy(y).long()
+        batches = [(x[i:i + args.per_worker_batch], y[i:i + args.per_worker_batch])
+                   for i in range(0, SAMPLES - args.per_worker_batch + 1, args.per_worker_batch)]
+
+        def run(steps: int) -> None:
+            for s in range(steps):
+                xb, yb = batches[s % len(batches)]
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(model(xb), yb).backward()
+                optimizer.step()
+
+        run(args.steps)  # the untimed first epoch, as tfdist's
+        dist.barrier()
+        start = time.perf_counter()
+        run(args.steps * (args.epochs - 1))
+        dist.barrier()
+        elapsed = time.perf_counter() - start
+        if rank == 0:
+            with open(args.out, "w") as f:
+                json.dump({"samples_per_s": args.steps * (args.epochs - 1) * args.per_worker_batch * world
+                           / elapsed}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(commands: list, envs: list, timeout: float) -> list:
+    """Starts each command in its own process group; waits; kills every group left on any exit."""
+    procs = []
+    try:
+        for command, env in zip(commands, envs):
+            procs.append(subprocess.Popen(command, env={**os.environ, **env}, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in procs:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        return codes
+    except subprocess.TimeoutExpired:
+        return [124] * len(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def run_ddp(model: str, workers: int, args) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        command = [sys.executable, os.path.abspath(__file__), "--ddp-worker", "--out", out, "--model", model,
+                   "--epochs", str(args.epochs), "--steps", str(args.steps),
+                   "--per-worker-batch", str(args.per_worker_batch)]
+        port = str(free_port())
+        envs = [{**THREAD_ENV, "RANK": str(r), "WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": port} for r in range(workers)]
+        codes = run_processes([command] * workers, envs, args.timeout)
+        if any(codes) or not os.path.exists(out):
+            print(f"  ddp {model} {workers} worker(s): job failed with status {codes}", flush=True)
+            return float("nan")
+        with open(out) as f:
+            return json.load(f)["samples_per_s"]
+
+
+# --- the host's ceiling ----------------------------------------------------
+def matmul_worker(args) -> None:
+    """Single-thread float32 matmuls on one core for `args.seconds`; writes matmuls per second."""
+    common.pin_to_one_core(args.core)
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((256, 256)).astype("float32")
+    b = a.copy()
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < args.seconds:
+        np.matmul(a, b, out=b)
+        b *= 1e-3
+        done += 1
+    with open(args.out, "w") as f:
+        json.dump({"per_s": done / (time.perf_counter() - start)}, f)
+
+
+def measure_ceiling(seconds: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        def rates(cores):
+            outs = [os.path.join(tmp, f"{len(cores)}-{c}.json") for c in cores]
+            commands = [[sys.executable, os.path.abspath(__file__), "--matmul-worker", "--core", str(c),
+                         "--seconds", str(seconds), "--out", o] for c, o in zip(cores, outs)]
+            run_processes(commands, [THREAD_ENV] * len(cores), timeout=seconds + 60)
+            return [json.load(open(o))["per_s"] for o in outs]
+
+        one = rates([0])[0]
+        two = sum(rates([0, 1]))
+    return {"one_process_per_s": one, "two_processes_per_s": two, "speed_up": two / one,
+            "efficiency_ceiling": two / (2 * one)}
+
+
+def torch_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="3 epochs of 6 steps, 2 s ceiling runs (a smoke run)")
+    p.add_argument("--epochs", type=int, default=4, help="epochs per run; the first is not timed (default 4)")
+    p.add_argument("--steps", type=int, default=20, help="steps per epoch (default 20)")
+    p.add_argument("--per-worker-batch", type=int, default=128, help="batch per worker (default 128)")
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models to run (default all)")
+    p.add_argument("--no-sharded", action="store_true", help="leave out the sharded_optimizer rows")
+    p.add_argument("--no-compressed", action="store_true", help="leave out the allreduce_dtype='bfloat16' row")
+    p.add_argument("--ceiling-seconds", type=float, default=6.0, help="seconds per ceiling run (default 6)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per job (default 600)")
+    for hidden in ("--tf-worker", "--ddp-worker", "--matmul-worker"):
+        p.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
+    for hidden, kind in (("--out", str), ("--strategy", str), ("--model", str), ("--core", int),
+                         ("--seconds", float), ("--stage", int)):
+        p.add_argument(hidden, type=kind, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.tf_worker:
+        return tf_worker(args)
+    if args.ddp_worker:
+        return ddp_worker(args)
+    if args.matmul_worker:
+        return matmul_worker(args)
+    if args.quick:
+        args.epochs, args.steps, args.ceiling_seconds = 3, 6, 2.0
+
+    try:
+        import torch  # noqa: F401
+
+        have_torch = True
+    except ImportError:
+        have_torch = False
+        print("PyTorch is not installed: the DDP rows are skipped. Install the CPU wheel with "
+              "`pip install torch==2.13.0` (or `pip install -e .[bench]`) to compare against DDP.")
+    load_before = os.getloadavg()
+    ceiling = measure_ceiling(args.ceiling_seconds)
+    print(f"host ceiling: two single-thread matmul processes run {ceiling['speed_up']:.2f}x one alone "
+          f"-> efficiency ceiling {ceiling['efficiency_ceiling']:.2f}", flush=True)
+
+    frameworks = [("tfdist multi_worker", lambda m, w: run_tfdist("multi_worker", m, w, args))]
+    if have_torch:
+        frameworks.append(("PyTorch DDP (gloo)", lambda m, w: run_ddp(m, w, args)))
+    if not args.no_compressed:
+        # One worker has one replica and no all-reduce: its row is multi_worker's 1-worker run.
+        bf16 = {"TFDIST_ALLREDUCE_DTYPE": "bfloat16"}
+        frameworks.append(("tfdist multi_worker bfloat16 exchange",
+                           lambda m, w: None if w == 1 else run_tfdist("multi_worker", m, w, args, env=bf16)))
+    if not args.no_sharded:
+        for stage in (1, 2):
+            frameworks.append((f"tfdist sharded_optimizer stage {stage}",
+                               lambda m, w, s=stage: run_tfdist("sharded_optimizer", m, w, args, stage=s)))
+    rows = []
+    for model in args.models:
+        first = len(rows)  # this model's tfdist multi_worker row
+        for framework, run in frameworks:
+            one, two = run(model, 1), run(model, 2)
+            one = rows[first]["samples_per_s_1"] if one is None else one
+            efficiency = two / (2 * one)
+            rows.append({"model": MODEL_NAMES[model], "framework": framework, "samples_per_s_1": one,
+                         "samples_per_s_2": two, "efficiency": efficiency})
+            print(f"  {MODEL_NAMES[model]:<22} {framework:<38} {one:>9.0f} {two:>9.0f} {efficiency:>5.2f}",
+                  flush=True)
+    load_after = os.getloadavg()
+    # Load from other programs moves the ceiling during a run: measured again at the end, the
+    # efficiencies are given as fractions of the mean of the two.
+    ceiling_after = measure_ceiling(args.ceiling_seconds)
+    reference = (ceiling["efficiency_ceiling"] + ceiling_after["efficiency_ceiling"]) / 2
+    for r in rows:
+        r["of_ceiling"] = r["efficiency"] / reference
+
+    header = (f"{'model':<22} {'framework':<38} {'1 worker':>9} {'2 workers':>9} {'efficiency':>10} "
+              f"{'of ceiling':>10} {'2w vs DDP':>9}")
+    print()
+    print(header)
+    print("-" * len(header))
+    ddp = {r["model"]: r["samples_per_s_2"] for r in rows if r["framework"].startswith("PyTorch")}
+    for r in rows:
+        versus = f"{r['samples_per_s_2'] / ddp[r['model']]:>9.2f}" if r["model"] in ddp else f"{'-':>9}"
+        r["vs_ddp_2_workers"] = r["samples_per_s_2"] / ddp[r["model"]] if r["model"] in ddp else None
+        print(f"{r['model']:<22} {r['framework']:<38} {r['samples_per_s_1']:>9.0f} {r['samples_per_s_2']:>9.0f} "
+              f"{r['efficiency']:>10.2f} {r['of_ceiling']:>10.2f} {versus}")
+    print(f"host ceiling (two single-thread matmul processes / 2x one): {ceiling['efficiency_ceiling']:.2f} "
+          f"before, {ceiling_after['efficiency_ceiling']:.2f} after (mean {reference:.2f}); "
+          f"1-min load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
+    print("samples/s of the whole job; efficiency = 2-worker / (2 x 1-worker); of ceiling = efficiency / host ceiling")
+    common.write_results("vs_ddp", {
+        "epochs": args.epochs, "steps_per_epoch": args.steps, "per_worker_batch": args.per_worker_batch,
+        "quick": args.quick, "torch": torch_version(), "ceiling": ceiling,
+        "ceiling_after": ceiling_after, "ceiling_mean": reference,
+        "load_average_before": load_before, "load_average_after": load_after, "rows": rows,
+    })
+
+
+if __name__ == "__main__":
+    main()
