@@ -81,8 +81,12 @@ def test_a_peer_that_never_starts_is_named_after_the_startup_timeout():
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)])
 def test_sigterm_and_sigint_end_a_process_waiting_for_its_peers(sig, status):
     ports = free_ports(2)
+    # SIGINT at its default in the child: a process started in the background
+    # by a shell without job control (CI under `make`) inherits SIGINT ignored,
+    # and Python then never installs its handler, so no Ctrl-C could end it.
     task = subprocess.Popen([sys.executable, "-c", WAITING_TASK, "300"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=child_env(tf_config(ports, 0)))
+                            stderr=subprocess.PIPE, text=True, env=child_env(tf_config(ports, 0)),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # While it waits, the task listens on its own port (for its peers).
         deadline = time.monotonic() + 90
