@@ -83,7 +83,7 @@ def _patched_compile(original):
         _check_compile_scope(self)
         result = original(self, *args, **kwargs)
         if _is_tfdist_model(self):
-            from tfdist.engine import validate_compiled_model
+            from tfdist.engine.loop import validate_compiled_model
 
             validate_compiled_model(self)
             # A strategy that shapes the optimizer (the sharded optimizer) does so here.
@@ -121,9 +121,9 @@ def _patched_make(original, kind: str):
         attr = f"{kind}_function"
         if getattr(self, attr) is not None and not force:
             return getattr(self, attr)
-        from tfdist import engine
+        from tfdist.engine import loop
 
-        builder = engine.make_train_function if kind == "train" else engine.make_test_function
+        builder = loop.make_train_function if kind == "train" else loop.make_test_function
         setattr(self, attr, builder(self))
         return getattr(self, attr)
 

@@ -7,7 +7,7 @@ their variables stay float32 (the master copies the optimizer updates), and
 gradients reach the optimizer in float32. `"mixed_float16"` also makes
 `model.compile` wrap the optimizer in a `keras.optimizers.LossScaleOptimizer`
 (as Keras does for a mixed_float16 model); the step engine performs its
-dynamic loss scaling across replicas (`tfdist.engine.transforms`).
+dynamic loss scaling across replicas (`tfdist.engine.update`).
 `"float32"` (the default) leaves Keras's global policy in charge.
 """
 

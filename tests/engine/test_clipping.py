@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tests.engine.common import make_strategy, max_relative_difference, tiny_model
-from tfdist.engine import transforms
+from tfdist.engine import update as transforms
 
 
 def test_clip_by_optimizer_takes_the_global_norm_of_all_gradients():

@@ -8,7 +8,8 @@ import pytest
 import tfdist
 import tfdist.engine.update  # noqa: F401
 from tests.conftest import DEVICES
-from tfdist.engine import loop, model_features, paths
+from tfdist.engine import loop, model_features
+from tfdist.engine import step as paths
 from tfdist.strategies.mirrored import MirroredStrategy
 
 

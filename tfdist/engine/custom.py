@@ -13,7 +13,7 @@ built-in step gets:
 
 * `accumulation_steps=k` (or Keras's `Optimizer(gradient_accumulation_steps=k)`):
   each call adds the replica's gradients to its accumulators; the reduction
-  and update run on the k-th call of each window only (`transforms.Accumulate`);
+  and update run on the k-th call of each window only (`update.Accumulate`);
 * `jit_compile=True`: the ops the user's `train_step` creates on each
   replica are compiled with XLA (`tfdist._compat.tf.xla_compiled_ops`), the
   reduction and update outside it;

@@ -40,7 +40,7 @@ from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
 from tfdist.engine import update
 from tfdist.engine.loop import HostLoop
-from tfdist.engine.paths import GradientPath
+from tfdist.engine.step import GradientPath
 
 
 class ParameterServerError(RuntimeError):

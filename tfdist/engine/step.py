@@ -9,11 +9,11 @@ A step has four phases, each a small function with explicit inputs:
    the sum over replicas divided by the global batch size is exactly the
    single-device gradient, even when the global batch does not split evenly.
    With accumulation, the replica's accumulated micro-batches are added here.
-2. reduction: the strategy's gradient path (`tfdist.engine.paths`) sums
+2. reduction: the strategy's gradient path (a `GradientPath`, below) sums
    gradients and weights across replicas in fused buffers
    (`tfdist.collectives`) — all-reduce, reduce to the variables' device, or a
    path a strategy registers.
-3. `finish`: the reduced chain of `tfdist.engine.transforms`: divide by the
+3. `finish`: the reduced chain of `tfdist.engine.update`'s transformations: divide by the
    global batch size, undo the loss scale, clip (so `global_clipnorm` sees
    the whole gradient).
 4. `apply`: the optimizer update, gated by dynamic loss scaling (skipped on
@@ -22,18 +22,38 @@ A step has four phases, each a small function with explicit inputs:
 With accumulation, every micro-step runs phase 1 and adds to per-replica
 accumulators; a conditional in cross-replica context runs phases 2–4 only on
 the last micro-step of each window (`__call__`).
+
+## Gradient paths
+
+A strategy carries its path as an object, `TfdistStrategy.gradient_path`: a
+`GradientPath` whose `run(step, data)` runs in cross-replica context, inside
+the strategy's scope, and performs phase 2 (reduction) and the update of one
+training step (see `tfdist.engine.step`), and whose `placement(strategy)` says
+where one variable's update runs (`tfdist.engine.update.Placement`). The
+built-in paths are defined here; a strategy with a path of its own (the
+sharded optimizer's, the parameter server's) defines its `GradientPath` in its
+own module. Nothing is registered, and no path is looked up by name.
+
+A path gets every step feature by using the step's phases rather than
+re-implementing them: `step.local_gradients(batch)` in replica context
+(forward/backward, XLA, accumulated micro-batches), `step.finish(summed)` on
+the summed `[grads..., weight]` (normalise, unscale, clip), and
+`step.apply(grads, update_fn=None)` in cross-replica context (the update,
+skipped on inf/nan under loss scaling). Accumulation wraps the whole path: it
+only runs on the last micro-step of each window.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf
 
+from tfdist import collectives
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
-from tfdist.engine import transforms as T
 from tfdist.engine import update
 
 
@@ -164,12 +184,12 @@ class TrainStep:
         self.jit_compile = bool(jit_compile)
         # The optimizer whose update rule runs: a LossScaleOptimizer's inner one.
         self.update_optimizer = kc.inner_optimizer(self.optimizer)
-        self.loss_scale = T.dynamic_loss_scale(self.optimizer)
-        self.reduced = T.compose(
-            T.normalize_by_weight(),
-            T.unscale_static(self.update_optimizer),
+        self.loss_scale = update.dynamic_loss_scale(self.optimizer)
+        self.reduced = update.compose(
+            update.normalize_by_weight(),
+            update.unscale_static(self.update_optimizer),
             self.loss_scale,
-            T.clip_by_optimizer(self.update_optimizer),
+            update.clip_by_optimizer(self.update_optimizer),
         )
         # The variables differentiated: each Keras variable's TensorFlow
         # variables — the shards of a partitioned one (parameter server), whose
@@ -183,7 +203,7 @@ class TrainStep:
             i for i, v in enumerate(variables) if kc.overwrites_with_gradient(self.update_optimizer, v)
         ]
         k = kc.keras_accumulation_steps(optimizer) or strategy.options.accumulation_steps
-        self.accumulation: T.Accumulate | None = None
+        self.accumulation: update.Accumulate | None = None
         with self.strategy.scope():
             if k > 1:
                 keras_counter = (
@@ -191,7 +211,7 @@ class TrainStep:
                     if kc.keras_accumulation_steps(self.optimizer)
                     else None
                 )
-                self.accumulation = T.Accumulate(k, variables, keras_counter)
+                self.accumulation = update.Accumulate(k, variables, keras_counter)
             self.reduced.build()
             if self.accumulation is not None:
                 self.accumulation.build()
@@ -429,3 +449,71 @@ class TrainStep:
             )
             with tf.control_dependencies(self.strategy.experimental_local_results(added)):
                 self.accumulation.run(lambda: path(self, data))
+
+
+# ---------------------------------------------------------------------------
+# Gradient paths: phase 2 and the update, per strategy.
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GradientPath:
+    """How one strategy's step reduces gradients and where its updates run.
+
+    Args:
+        name: str, for messages and `repr` only.
+        run: callable `(step, data) -> None`, in cross-replica context:
+            reduction and update of one step (phases 2 to 4).
+        placement: callable `(strategy) -> update.Placement`: where the
+            update of one variable runs (`TrainStep.apply`'s default update).
+        local_with_one_replica: bool. With one replica, the reduction is the
+            identity and the update may run in the replica's own function, so
+            under XLA the whole step compiles as one program
+            (`TrainStep.__call__`). Default False.
+        variables_on_replicas: bool. Each replica's device holds a copy of
+            every variable, so a replica's forward and backward pass compiles
+            as one XLA program (which cannot read a variable on another
+            device). Default True.
+    """
+
+    name: str
+    run: Callable[[Any, Any], None]
+    placement: Callable[[Any], update.Placement] = update.EveryCopy
+    local_with_one_replica: bool = False
+    variables_on_replicas: bool = True
+
+    def __call__(self, step, data) -> None:
+        self.run(step, data)
+
+
+def all_reduce(step, data) -> None:
+    """Every replica sums all replicas' gradients, then every copy is updated alike."""
+
+    def replica_fn(batch):
+        summed = collectives.all_reduce_sum(
+            step.local_gradients(batch), step.options.bucket_bytes, step.options.allreduce_dtype
+        )
+        return step.finish(summed)
+
+    grads = step.strategy.run(replica_fn, args=(data,))
+    step.apply(grads)
+
+
+def reduce_to_variables(step, data) -> None:
+    """Gradients are summed onto the parameter device; each variable is updated once."""
+    plans = []
+
+    def replica_fn(batch):
+        values = step.local_gradients(batch)
+        plan = collectives.BucketPlan.build(values, step.options.bucket_bytes)
+        plans.append(plan)
+        return plan.pack(values)
+
+    packed = step.strategy.run(replica_fn, args=(data,))
+    destination = step.strategy.parameter_device
+    summed = collectives.reduce_to_device(step.strategy, packed, plans[0], destination)
+    with tf.device(destination):
+        grads = step.finish(summed)
+    step.apply(grads)
+
+
+ALL_REDUCE = GradientPath("all_reduce", all_reduce, local_with_one_replica=True)
+REDUCE_TO_VARIABLES = GradientPath("reduce_to_variables", reduce_to_variables, variables_on_replicas=False)

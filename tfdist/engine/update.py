@@ -36,6 +36,38 @@ Example:
 ```python
 update.apply_update(optimizer, grads, model.trainable_variables, update.EveryCopy(strategy))
 ```
+
+## The gradient chain
+
+Before the update, the step's gradients pass through a chain of small
+transformations, also defined here:
+
+Each feature of the step — normalising by the global batch, loss scaling,
+clipping, accumulation — is one small transformation with its own state and
+its own test, and `TrainStep` chains them instead of branching per feature:
+
+```python
+reduced = compose(normalize_by_weight(), unscale_static(optimizer), dynamic_loss_scale(lso),
+                  clip_by_optimizer(optimizer))
+grads = reduced.update(summed)
+```
+
+A transformation has `build()` (creates its state, eagerly, in the
+strategy's scope; called once) and `update(values) -> values` (traced into the
+step; pure apart from reading its state). Two transformations also hook
+other points of the step, and say so: `DynamicLossScale` scales the loss before
+the backward pass and gates the update (skip on inf/nan), `Accumulate` runs
+before reduction, in replica context, and decides which micro-steps
+communicate.
+
+Gradient lists flowing through the reduced chain are ordinary lists with
+`None` where a variable has no gradient. The local values entering it are
+`[grads..., weight]` (see `tfdist.engine.step`).
+
+A transformation that multiplies every gradient by one scalar (normalising by
+the batch, undoing a loss scale, clipping by the global norm) says so with
+`scalar(values, pending)`; `Chain` multiplies such runs of scalars together
+and makes one pass over the gradients for all of them, instead of one each.
 """
 
 from __future__ import annotations
@@ -47,6 +79,385 @@ import tensorflow as tf
 from tfdist._compat import keras as kc
 
 
+def _map(fn, grads):
+    out = []
+    for g in grads:
+        if g is None:
+            out.append(None)
+        elif isinstance(g, tf.IndexedSlices):
+            out.append(tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape))
+        else:
+            out.append(fn(g))
+    return out
+
+
+class GradientTransformation:
+    """One step of the gradient pipeline: `build()` once, `update(values)` per step."""
+
+    def build(self) -> None:
+        """Creates the transformation's state; default: it has none."""
+
+    def update(self, values: list) -> list:
+        raise NotImplementedError
+
+    def scalar(self, values: list, pending):
+        """`(values, factor)` when this transformation multiplies every gradient by `factor`.
+
+        `values` may drop entries that are not gradients (the batch weight);
+        `pending` is the scalar already owed to `values` (a float32 tensor, or
+        None for 1): a transformation that reads the gradients (a global norm)
+        accounts for it. `factor` None means 1. Returns None when the
+        transformation is not a scalar multiplication (`update` then runs).
+        """
+        return None
+
+
+def _times(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a * b
+
+
+def _multiply(grads: list, factor) -> list:
+    if factor is None:
+        return list(grads)
+    return _map(lambda g: g * tf.cast(factor, g.dtype), grads)
+
+
+class Chain(GradientTransformation):
+    """Applies transformations in order; built and updated as one.
+
+    Consecutive scalar transformations (`GradientTransformation.scalar`) are
+    folded into one multiplication of each gradient.
+    """
+
+    def __init__(self, transforms: Sequence[GradientTransformation]):
+        self.transforms = [t for t in transforms if t is not None]
+
+    def build(self) -> None:
+        for t in self.transforms:
+            t.build()
+
+    def update(self, values: list) -> list:
+        pending = None
+        for t in self.transforms:
+            folded = t.scalar(values, pending)
+            if folded is not None:
+                values, factor = folded
+                pending = _times(pending, factor)
+                continue
+            values = t.update(_multiply(values, pending))
+            pending = None
+        return _multiply(values, pending)
+
+
+def compose(*transforms: GradientTransformation | None) -> Chain:
+    """Chains transformations (`None` entries are skipped), as optax's `chain`.
+
+    Example:
+
+    ```python
+    chain = compose(normalize_by_weight(), clip_by_optimizer(optimizer))
+    grads = chain.update(summed)
+    ```
+    """
+    return Chain(transforms)
+
+
+class NormalizeByWeight(GradientTransformation):
+    """`[summed weighted grads..., total weight]` → the mean gradient.
+
+    Each replica weighted its gradient by its batch size, so dividing the sum
+    by the summed batch sizes gives exactly the single-device mean gradient,
+    uneven splits and accumulated micro-batches included.
+    """
+
+    def update(self, values: list) -> list:
+        grads, total = values[:-1], values[-1]
+        if tf.get_static_value(total) == 1.0:
+            # One replica's own gradient, sent unweighted (TrainStep.compute_gradients).
+            return list(grads)
+        return _map(lambda g: tf.math.divide_no_nan(g, tf.cast(total, g.dtype)), grads)
+
+    def scalar(self, values: list, pending):
+        grads, total = values[:-1], values[-1]
+        if tf.get_static_value(total) == 1.0:
+            return list(grads), None
+        return list(grads), tf.math.divide_no_nan(1.0, tf.cast(total, tf.float32))
+
+
+def normalize_by_weight() -> NormalizeByWeight:
+    return NormalizeByWeight()
+
+
+class UnscaleStatic(GradientTransformation):
+    """Divides by the optimizer's static `loss_scale_factor` (Keras multiplied the loss by it)."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def update(self, grads: list) -> list:
+        return _map(lambda g: g / tf.cast(self.factor, g.dtype), grads)
+
+    def scalar(self, values: list, pending):
+        return values, tf.constant(1.0 / self.factor, tf.float32)
+
+
+def unscale_static(optimizer) -> UnscaleStatic | None:
+    factor = getattr(optimizer, "loss_scale_factor", None)
+    return UnscaleStatic(factor) if factor is not None else None
+
+
+class ClipByOptimizer(GradientTransformation):
+    """The optimizer's `clipnorm` / `clipvalue` / `global_clipnorm`, on the reduced gradient.
+
+    It runs after reduction, so `global_clipnorm` takes the norm of the whole
+    gradient of the global batch, as on one device (Keras clips each
+    replica's share before the all-reduce).
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def update(self, grads: list) -> list:
+        return kc.clip_gradients(self.optimizer, grads)
+
+    def scalar(self, values: list, pending):
+        # global_clipnorm alone scales every gradient by one factor, computed
+        # as Keras's `clip_by_global_norm` does (NaN when the norm is not
+        # finite), from the norm of the gradients with `pending` applied.
+        optimizer = self.optimizer
+        if getattr(optimizer, "clipnorm", None) or getattr(optimizer, "clipvalue", None):
+            return None
+        if not kc.clips_like_keras(optimizer):
+            return None
+        clip = float(optimizer.global_clipnorm)
+        dense = [tf.convert_to_tensor(g) for g in values if g is not None]
+        if not dense:
+            return values, None
+        norm = tf.sqrt(tf.reduce_sum(tf.stack([tf.reduce_sum(tf.square(g)) for g in dense])))
+        norm = tf.cast(norm, tf.float32)
+        if pending is not None:
+            norm = norm * tf.abs(pending)
+        factor = clip * tf.minimum(1.0 / norm, 1.0 / clip)
+        return values, factor + (norm - norm)
+
+
+def clip_by_optimizer(optimizer) -> ClipByOptimizer | None:
+    if not any(getattr(optimizer, a, None) for a in ("clipnorm", "clipvalue", "global_clipnorm")):
+        return None
+    return ClipByOptimizer(optimizer)
+
+
+class DynamicLossScale(GradientTransformation):
+    """Dynamic loss scaling of a `keras.optimizers.LossScaleOptimizer`, across replicas.
+
+    Three hooks, all on the optimizer's own state (`dynamic_scale`,
+    `step_counter`), so checkpoints and `optimizer.dynamic_scale` read as in
+    Keras:
+
+    * `scale_loss(loss)`: before the backward pass, on every replica.
+    * `update(grads)`: after reduction, divides by the scale.
+    * `gate(grads, apply_fn)`: in cross-replica context, applies the update
+      only if every gradient is finite, then grows the scale every
+      `dynamic_growth_steps` finite steps; otherwise skips the update and
+      halves the scale. The gradients are already summed over replicas, so an
+      inf or nan on any one replica is in every replica's sum: all replicas
+      take the same decision.
+    """
+
+    def __init__(self, loss_scale_optimizer):
+        self.lso = loss_scale_optimizer
+
+    def scale_loss(self, loss):
+        return loss * tf.cast(self.lso.dynamic_scale, loss.dtype)
+
+    def update(self, grads: list) -> list:
+        scale = self.lso.dynamic_scale
+        return _map(lambda g: g / tf.cast(scale, g.dtype), grads)
+
+    def scalar(self, values: list, pending):
+        return values, 1.0 / tf.cast(self.lso.dynamic_scale, tf.float32)
+
+    def all_finite(self, grads: list):
+        """Cross-replica context: True when every replica's every gradient is finite.
+
+        Each replica's values are checked on its own device and only the
+        booleans meet, so the check also holds when replicas hold different
+        slices of the gradient (a sharded update), not only identical sums.
+        """
+        strategy = tf.distribute.get_strategy()
+        checks = []
+        for g in grads:
+            if g is None:
+                continue
+            parts = (
+                strategy.experimental_local_results(g)
+                if isinstance(g, tf.distribute.DistributedValues)
+                else [g]
+            )
+            for part in parts:
+                values = part.values if isinstance(part, tf.IndexedSlices) else part
+                with tf.device(values.device):
+                    checks.append(tf.reduce_all(tf.math.is_finite(values)))
+        return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+    def gate(self, grads: list, apply_fn: Callable[[list], None]) -> None:
+        lso = self.lso
+        growth = lso.dynamic_growth_steps
+
+        def finite():
+            apply_fn(grads)
+            grow = tf.equal(lso.step_counter, growth - 1)
+            with tf.control_dependencies([grow]):
+                lso.step_counter.assign(tf.where(grow, tf.zeros_like(lso.step_counter), lso.step_counter + 1))
+                lso.dynamic_scale.assign(
+                    tf.where(grow, lso.dynamic_scale * 2.0, lso.dynamic_scale)
+                )
+            return tf.constant(True)
+
+        def not_finite():
+            lso.step_counter.assign(tf.zeros_like(lso.step_counter))
+            lso.dynamic_scale.assign(lso.dynamic_scale * 0.5)
+            return tf.constant(False)
+
+        tf.cond(self.all_finite(grads), finite, not_finite)
+
+
+def dynamic_loss_scale(optimizer) -> DynamicLossScale | None:
+    return DynamicLossScale(optimizer) if kc.is_loss_scale_optimizer(optimizer) else None
+
+
+class Accumulate(GradientTransformation):
+    """Gradient accumulation over `k` micro-batches, with no communication until the last.
+
+    State: one float32 accumulator per gradient and one for the batch weight,
+    each a per-replica (`ON_READ`) variable, so a replica adds to its own
+    copy; and a micro-step counter. Every micro-step runs the forward and
+    backward pass and `add`s its gradients on every replica; on the last one
+    of a window the strategy's gradient path runs too, and `update` (in place
+    of the local gradients) releases the accumulated sum and zeroes the
+    accumulators; on the other `k - 1` nothing crosses devices. The choice is
+    a `tf.cond` in cross-replica context (`run`), because a collective cannot
+    sit in a conditional branch inside a replica function under
+    MirroredStrategy.
+
+    Args:
+        k: int. Micro-batches per optimizer step, >= 2.
+        variables: the trainable variables (for the accumulators' shapes).
+        keras_iterations: Optional `tf.Variable`. When accumulation comes from
+            Keras's `Optimizer(gradient_accumulation_steps=k)`, its iteration
+            counter is the micro-step counter, as in Keras (the update happens
+            when `(iterations + 1) % k == 0`, and `optimizer.iterations`
+            reads as optimizer steps); otherwise tfdist keeps its own counter
+            and `optimizer.iterations` counts optimizer steps.
+    """
+
+    def __init__(self, k: int, variables: Sequence, keras_iterations=None):
+        self.k = k
+        self.variables = list(variables)
+        self.keras_iterations = keras_iterations
+        self.accumulators: list = []
+        self.weight = None
+        self.counter = None
+        # Collectives traced into each branch, for tests (see tfdist.collectives.trace_counter).
+        self.traced_collectives = {"accumulate": None, "communicate": None}
+
+    def build(self) -> None:
+        on_read = dict(
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+        self.accumulators = [
+            tf.Variable(tf.zeros(v.shape, tf.float32), name="tfdist_grad_accumulator", **on_read)
+            for v in self.variables
+        ]
+        self.weight = tf.Variable(0.0, name="tfdist_weight_accumulator", **on_read)
+        if self.keras_iterations is None:
+            self.counter = tf.Variable(
+                0,
+                dtype=tf.int64,
+                trainable=False,
+                name="tfdist_micro_step",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+
+    # Replica context ------------------------------------------------------
+    def add(self, values: list):
+        """Adds this micro-batch's `[grads..., weight]` to the replica's accumulators."""
+        grads, weight = values[:-1], values[-1]
+        updates = [
+            acc.assign_add(tf.cast(tf.convert_to_tensor(g), tf.float32))
+            for acc, g in zip(self.accumulators, grads)
+            if g is not None
+        ]
+        updates.append(self.weight.assign_add(weight))
+        return tf.group(updates)
+
+    def update(self, values: list | None = None) -> list:
+        """Releases the accumulated `[grads..., weight]` and zeroes the accumulators.
+
+        Every micro-step, the last included, was added with `add` first, so
+        `values` (the chain's input) is not needed and is ignored.
+        """
+        del values
+        out = [acc.read_value() for acc in self.accumulators]
+        total = self.weight.read_value()
+        with tf.control_dependencies(out + [total]):
+            resets = [acc.assign(tf.zeros_like(acc)) for acc in self.accumulators]
+            resets.append(self.weight.assign(0.0))
+        with tf.control_dependencies(resets):
+            out = [tf.identity(t) for t in out]
+            total = tf.identity(total)
+        return out + [total]
+
+    # Cross-replica context -----------------------------------------------
+    def is_last_micro_step(self):
+        if self.keras_iterations is not None:
+            return tf.equal((self.keras_iterations + 1) % self.k, 0)
+        return tf.equal(self.counter, self.k - 1)
+
+    def run(self, communicate_fn: Callable[[], None]) -> None:
+        """Runs `communicate_fn` on the last micro-step of each window; advances the counter.
+
+        Call after `add` ran for this micro-step on every replica.
+        """
+        from tfdist import collectives
+
+        def branch(kind, fn, advance):
+            def run_branch():
+                before = collectives.traced_collective_count()
+                fn()
+                self.traced_collectives[kind] = collectives.traced_collective_count() - before
+                advance()
+                return tf.constant(True)
+
+            return run_branch
+
+        def advance_accumulating():
+            if self.keras_iterations is not None:
+                self.keras_iterations.assign_add(1)
+            else:
+                self.counter.assign_add(1)
+
+        def advance_communicating():
+            # Keras's counter was advanced by the optimizer update itself.
+            if self.keras_iterations is None:
+                self.counter.assign(0)
+
+        tf.cond(
+            self.is_last_micro_step(),
+            branch("communicate", communicate_fn, advance_communicating),
+            branch("accumulate", lambda: None, advance_accumulating),
+        )
+
+
+# ---------------------------------------------------------------------------
+# The update template.
+# ---------------------------------------------------------------------------
 class Placement:
     """Where one variable's update runs: `run(variable, fn, *args)` calls `fn(v, *args)` there."""
 

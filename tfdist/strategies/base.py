@@ -13,7 +13,8 @@ from typing import Any, Callable, ClassVar
 
 import tensorflow as tf
 
-from tfdist.engine import loop, paths
+from tfdist.engine import loop
+from tfdist.engine import step as engine_step
 from tfdist.options import Option, TrainingOptions, split_options
 
 
@@ -23,7 +24,7 @@ class TfdistStrategy:
     Attributes:
         name: the registry name (`"mirrored"`, ...).
         PARAMS: the strategy's own parameters, validated like step options.
-        gradient_path: a `tfdist.engine.paths.GradientPath`: how gradients
+        gradient_path: a `tfdist.engine.step.GradientPath`: how gradients
             cross devices in the step engine and where each update runs —
             `ALL_REDUCE` (every replica ends with the summed gradient, every
             copy is updated), `REDUCE_TO_VARIABLES` (summed onto the device
@@ -35,20 +36,20 @@ class TfdistStrategy:
             no step collective runs and there is no global batch.
 
     What a strategy runs is declared by `unsupported(feature, model)`, which
-    the engine's validation (`tfdist.engine.validate_compiled_model`) and the
+    the engine's validation (`tfdist.engine.loop.validate_compiled_model`) and the
     Estimator runner consult; no strategy is recognised by its name.
     """
 
     name: ClassVar[str] = ""
     PARAMS: ClassVar[dict[str, Option]] = {}
-    gradient_path: ClassVar[paths.GradientPath] = paths.ALL_REDUCE
+    gradient_path: ClassVar[engine_step.GradientPath] = engine_step.ALL_REDUCE
     host_loop: ClassVar[loop.HostLoop] = loop.KERAS_FIT
     asynchronous: ClassVar[bool] = False
 
     def unsupported(self, feature: str, model=None) -> str | None:
         """Why this strategy does not run `feature` (for `model`), or `None` when it does.
 
-        Features (see `tfdist.engine.model_features`): "accumulation_steps",
+        Features (see `tfdist.engine.loop.model_features`): "accumulation_steps",
         "jit_compile", "synchronized_batchnorm", "custom_train_step",
         "loss_scale_optimizer", "keras_accumulation" (Keras's
         `Optimizer(gradient_accumulation_steps=...)`), "ema", "optimizer"

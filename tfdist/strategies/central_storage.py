@@ -9,7 +9,7 @@ import tensorflow as tf
 from tfdist import devices as devices_lib
 from tfdist import options as options_lib
 from tfdist._compat import tf as tfc
-from tfdist.engine import paths
+from tfdist.engine import step as engine_step
 from tfdist.strategies.base import TfdistStrategy
 
 PARAMETER_DEVICE = options_lib.Option(
@@ -49,7 +49,7 @@ class CentralStorageStrategy(TfdistStrategy, tf.distribute.experimental.CentralS
 
     name = "central_storage"
     PARAMS = {"compute_devices": COMPUTE_DEVICES, "parameter_device": PARAMETER_DEVICE}
-    gradient_path = paths.REDUCE_TO_VARIABLES
+    gradient_path = engine_step.REDUCE_TO_VARIABLES
 
     def unsupported(self, feature: str, model=None) -> str | None:
         dtype = self.options.allreduce_dtype

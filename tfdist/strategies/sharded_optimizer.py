@@ -50,7 +50,7 @@ from tfdist import options as options_lib
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
 from tfdist.engine import update
-from tfdist.engine.paths import GradientPath
+from tfdist.engine.step import GradientPath
 from tfdist.sharding import (
     FlatLayout,
     dense_only,
