@@ -455,6 +455,27 @@ def test_keras_file_moves_from_sharded_to_one_device_and_to_another_replica_coun
     assert max_relative_difference(single.get_weights(), resharded.get_weights()) < 1e-5
 
 
+def test_the_compiled_optimizer_is_a_same_named_subclass_of_the_users_class(tmp_path, data10):
+    import json
+    import zipfile
+
+    x, y = data10
+    made = []
+    model = train(sharded(2, stage=1), lambda: made.append(keras.optimizers.Adam(1e-3)) or made[0], x[:64], y[:64])
+    (optimizer,) = made
+    assert model.optimizer is optimizer  # the user's reference is the compiled optimizer
+    assert isinstance(optimizer, keras.optimizers.Adam) and type(optimizer) is not keras.optimizers.Adam
+    assert type(optimizer).__name__ == "Adam" and kc.unsharded_class(optimizer) is keras.optimizers.Adam
+    plain = keras.optimizers.Adam(1e-3)
+    assert type(plain) is keras.optimizers.Adam  # optimizers outside the strategy are untouched
+    path = tmp_path / "m.keras"
+    model.save(path)
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))["compile_config"]["optimizer"]
+    assert (config["module"], config["class_name"], config["registered_name"]) == ("keras.optimizers", "Adam", None)
+    assert type(keras.models.load_model(path).optimizer) is keras.optimizers.Adam
+
+
 def test_mirrored_weights_file_loads_into_sharded_model(tmp_path, data10):
     x, y = data10
     adam = lambda: keras.optimizers.Adam(1e-3)  # noqa: E731

@@ -95,10 +95,10 @@ def clip_gradients(optimizer, grads: Sequence):
 def clips_like_keras(optimizer) -> bool:
     """Whether `optimizer` clips with Keras's own `_clip_gradients` (not the sharded state's).
 
-    The sharded optimizer sets its own on the instance (`install_sharded_optimizer`):
-    its gradients are slices, whose norms it sums across replicas.
+    The sharded optimizer (`make_sharded_optimizer`) clips slices, whose norms
+    it sums across replicas.
     """
-    return "_clip_gradients" not in vars(optimizer)
+    return not isinstance(optimizer, _ShardedOptimizer)
 
 
 def inner_optimizer(optimizer):
@@ -419,12 +419,12 @@ def keras_losses_unscaled():
 
 
 def build_optimizer(optimizer, variables: Sequence) -> None:
-    """Runs the optimizer class's own `build` (bypassing an instance hook)."""
-    type(optimizer).build(optimizer, list(variables))
+    """Runs the user's optimizer class's own `build` (not the sharded one)."""
+    unsharded_class(optimizer).build(optimizer, list(variables))
 
 
 def class_trackable_children(optimizer, save_type, **kwargs) -> dict:
-    return type(optimizer)._trackable_children(optimizer, save_type, **kwargs)
+    return unsharded_class(optimizer)._trackable_children(optimizer, save_type, **kwargs)
 
 
 def uses_weight_decay(optimizer, variable) -> bool:
@@ -438,51 +438,14 @@ def slots_initialised_from_weights(optimizer) -> tuple[str, ...]:
     return ()
 
 
-def canonical_optimizer_layout(optimizer, flat_variable, num_variables: int) -> list:
-    """How `optimizer`'s state, built on `flat_variable`, maps to a single-device build.
+def recording_copy(optimizer):
+    """An unbuilt optimizer of the user's class and `optimizer`'s config that records its slots."""
+    return _derived_class(unsharded_class(optimizer), _RecordsSlots).from_config(optimizer.get_config())
 
-    A template copy of the optimizer (same class and config) is built on
-    `num_variables` one-element proxies; its `variables` list is the order a
-    single-device optimizer would save. Returns one entry per template
-    variable: `("slot", slot_name, variable_index)` for state created with
-    `add_variable_from_reference` (Adam's momentum of variable 3, ...), or
-    `("plain", variable)` for the optimizer's own state (iterations, learning
-    rate, Nadam's `u_product`), matched in order.
-    """
-    import re
 
-    import numpy as np
-
-    template = type(optimizer).from_config(optimizer.get_config())
-    proxies = [
-        keras.Variable(np.zeros((1,), "float32"), name=f"tfdistproxy{i}") for i in range(num_variables)
-    ]
-    type(template).build(template, proxies)
-    prefix = flat_variable.path.replace("/", "_") + "_"
-    slots, plain = {}, []
-    for v in optimizer.variables:
-        if v.name.startswith(prefix):
-            slots[v.name[len(prefix):]] = v
-        else:
-            plain.append(v)
-    entries = []
-    plain_iter = iter(plain)
-    pattern = re.compile(r"tfdistproxy(\d+)_(.+)$")
-    for tv in template.variables:
-        match = pattern.search(tv.name)
-        if match and match.group(2) in slots:
-            entries.append(("slot", match.group(2), int(match.group(1))))
-        else:
-            v = next(plain_iter, None)
-            if v is None or tuple(v.shape) != tuple(tv.shape):
-                raise NotImplementedError(
-                    f"{type(optimizer).__name__} keeps state the sharded optimizer cannot map to "
-                    f"its single-device layout (variable {tv.name!r}). Use mirrored, or an "
-                    "optimizer whose state is per element (SGD, Adam, AdamW, RMSprop, Adagrad, "
-                    "Nadam, Lion, ...)."
-                )
-            entries.append(("plain", v))
-    return entries, slots
+def slot_records(optimizer) -> list:
+    """`(reference variable, slot name, slot)` for each slot a recording optimizer created, in order."""
+    return list(optimizer.__dict__.get("_tfdist_slots", []))
 
 
 def advance_iterations(optimizer) -> None:
@@ -722,37 +685,112 @@ def ask_to_proceed_with_overwrite(path: str) -> bool:
 # Verified on Keras 3.15 / TensorFlow 2.21.
 # ---------------------------------------------------------------------------
 
-_SHARDED_HOOKS = (
-    "apply",
-    "build",
-    "_clip_gradients",
-    "finalize_variable_values",
-    "save_own_variables",
-    "load_own_variables",
-    "_trackable_children",
-)
+class _RecordsSlots:
+    """Records each slot the optimizer creates: (reference variable, slot name) → slot.
+
+    Keras's `add_variable_from_reference` is where every per-variable slot is
+    made (Adam's momentum and velocity, EMA, ...); recording it here maps
+    slots to variables without parsing variable names.
+    """
+
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        variable = super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+        self.__dict__.setdefault("_tfdist_slots", []).append((reference_variable, name, variable))
+        return variable
 
 
-def install_sharded_optimizer(optimizer, sharded) -> None:
-    """Routes `optimizer`'s apply, build, clipping, EMA finalisation and checkpointing to `sharded`.
+class _ShardedOptimizer(_RecordsSlots):
+    """The sharded optimizer: the user's optimizer class with its state in flat slices.
 
-    `sharded` (a `tfdist.strategies.sharded_optimizer.ShardedState`) provides
-    one method per name in `_SHARDED_HOOKS`. They are set on the instance,
-    so the optimizer keeps its class (its config and `.keras` class name stay
-    Keras's) and optimizers outside the sharded strategy are untouched. Keras
-    calls `optimizer.build(model.trainable_variables)` from `fit`,
+    Put before the user's class in a same-named subclass (`make_sharded_optimizer`),
+    as Horovod's `DistributedOptimizer` derives from the optimizer it wraps:
+    the build, update, clipping, EMA finalisation and checkpointing go to the
+    instance's `ShardedState` (`tfdist.strategies.sharded_optimizer`); the
+    config, the update rule and the class name (in `.keras` files too) stay
+    the user's.
+    """
+
+    def build(self, variables):
+        return self.__dict__["_tfdist_sharded"].build(variables)
+
+    def apply(self, grads, trainable_variables=None):
+        return self.__dict__["_tfdist_sharded"].apply(grads, trainable_variables)
+
+    def _clip_gradients(self, grads):
+        return self.__dict__["_tfdist_sharded"].clip_slices(grads)
+
+    def finalize_variable_values(self, var_list):
+        return self.__dict__["_tfdist_sharded"].finalize_variable_values(var_list)
+
+    def save_own_variables(self, store):
+        return self.__dict__["_tfdist_sharded"].save_own_variables(store)
+
+    def load_own_variables(self, store):
+        return self.__dict__["_tfdist_sharded"].load_own_variables(store)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        return self.__dict__["_tfdist_sharded"].trackable_children(save_type, **kwargs)
+
+
+_derived: dict = {}
+
+
+def _derived_class(cls, mixin):
+    """`cls` with `mixin` in front, same name and module; cached; known to Keras's serialization."""
+    key = (cls, mixin)
+    if key not in _derived:
+        derived = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _serialize_as(derived, cls)
+        _derived[key] = derived
+    return _derived[key]
+
+
+def _serialize_as(derived, cls) -> None:
+    """Keras writes `derived` under `cls`'s public or registered name (`keras.optimizers.Adam`).
+
+    Keras's `serialize_keras_object` names a class by its exact entry in
+    `api_export.REGISTERED_OBJS_TO_NAMES` (built-in classes) or
+    `object_registration.GLOBAL_CUSTOM_NAMES` (`register_keras_serializable`),
+    else by its module (`keras.src.optimizers.adam`), which a loader without
+    tfdist must not be asked to import. Verified on Keras 3.5 to 3.15.
+    """
+    from keras.src.api_export import REGISTERED_OBJS_TO_NAMES
+    from keras.src.saving import object_registration
+
+    if cls in REGISTERED_OBJS_TO_NAMES:
+        REGISTERED_OBJS_TO_NAMES[derived] = REGISTERED_OBJS_TO_NAMES[cls]
+    if cls in object_registration.GLOBAL_CUSTOM_NAMES:
+        object_registration.GLOBAL_CUSTOM_NAMES[derived] = object_registration.GLOBAL_CUSTOM_NAMES[cls]
+
+
+def unsharded_class(optimizer):
+    """The user's optimizer class under tfdist's derived one (itself if not derived)."""
+    cls = type(optimizer)
+    while cls.__bases__ and cls.__bases__[0] in (_ShardedOptimizer, _RecordsSlots):
+        cls = cls.__bases__[1]
+    return cls
+
+
+def make_sharded_optimizer(optimizer, sharded) -> None:
+    """Makes `optimizer` (unbuilt) the sharded optimizer whose state `sharded` holds.
+
+    The instance changes class to a same-named subclass of its own class with
+    `_ShardedOptimizer` in front, so the user's reference is the compiled
+    optimizer, and optimizers outside the sharded strategy are untouched.
+    Keras calls `optimizer.build(model.trainable_variables)` from `fit`,
     `compile_from_config` and `apply`; every such call now builds the slices.
     `apply` (and `apply_gradients`, which calls it) from a custom `train_step`
     or training loop runs the sharded update.
     """
-    for name in _SHARDED_HOOKS:
-        object.__setattr__(optimizer, name, getattr(sharded, name))
     object.__setattr__(optimizer, "_tfdist_sharded", sharded)
+    optimizer.__class__ = _derived_class(type(optimizer), _ShardedOptimizer)
 
 
 def sharded_state(optimizer):
-    """The `ShardedState` installed on `optimizer`, or `None`."""
-    return optimizer.__dict__.get("_tfdist_sharded")
+    """The `ShardedState` of a sharded optimizer, or `None`."""
+    if isinstance(optimizer, _ShardedOptimizer):
+        return optimizer.__dict__["_tfdist_sharded"]
+    return None
 
 
 def guard_load_weights(model, snapshot_fn, restore_fn) -> None:

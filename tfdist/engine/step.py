@@ -256,7 +256,6 @@ class TrainStep:
         carries it and no pass over the gradients is needed for it.
         """
         model = self.model
-        variables = self.variables
         with tf.GradientTape() as tape:
             y_pred = kc.call_model(model, x, training=True)
             loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=True)
@@ -265,15 +264,25 @@ class TrainStep:
                 scaled = scaled * self.update_optimizer.loss_scale_factor
             if weight_factor is not None:
                 scaled = scaled * tf.cast(weight_factor, scaled.dtype)
+        return y_pred, loss, self.gradients(tape, scaled)
+
+    def gradients(self, tape, target) -> list:
+        """`target`'s gradient for each of the step's variables, each with its variable's static shape.
+
+        A partitioned variable (parameter server) is differentiated shard by
+        shard (`gradient_sources`: Keras's tape rejects a whole
+        `ShardedVariable`) and its gradient regrouped.
+        """
+        variables = self.variables
         if self.gradient_sources is None:
-            grads = tape.gradient(scaled, variables)
+            grads = tape.gradient(target, variables)
         else:
-            parts = tape.gradient(scaled, [p for ps in self.gradient_sources for p in ps])
+            parts = tape.gradient(target, [p for ps in self.gradient_sources for p in ps])
             grads, i = [], 0
             for v, ps in zip(variables, self.gradient_sources):
                 grads.append(regroup(v, parts[i : i + len(ps)]))
                 i += len(ps)
-        return y_pred, loss, with_variable_shapes(grads, variables)
+        return with_variable_shapes(grads, variables)
 
     def _stateless_forward_backward(self, x, y, sample_weight, weight_factor=None):
         """`_forward_backward` with no variable written: returns the layers' updates instead.

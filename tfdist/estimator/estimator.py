@@ -12,7 +12,9 @@ Training reuses the step engine: `_ModelFnStep` is a `tfdist.engine.TrainStep`
 built from parts (strategy, optimizer, variables) whose forward pass is the
 `model_fn`, so gradients take the strategy's own gradient path (fused
 all-reduce, reduce to the parameter device, or the strategy's own
-`GradientPath`) and the update is `tfdist.engine.update.apply_update`.
+`GradientPath`) and the update is `tfdist.engine.update.apply_update`. Under a tfdist
+parameter-server strategy each worker runs the same step (its gradient taken per shard,
+the transform chain, the update in place on the ps variables).
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist._compat import keras as kc
-from tfdist.engine import update
-from tfdist.engine.step import TrainStep, with_variable_shapes
+from tfdist.engine.step import TrainStep
 from tfdist.estimator.estimator_spec import EstimatorSpec, check_spec, predictions_as_dict
 from tfdist.estimator.mode_keys import ModeKeys
 from tfdist.estimator.run_config import RunConfig, resolve_strategy
@@ -144,7 +145,6 @@ class _ModelFnStep(TrainStep):
 
     def compute_gradients(self, data) -> list:
         features, labels = _split(data)
-        variables = self.variables
         loss_scale = getattr(self, "loss_scale", None)
         factor = getattr(getattr(self, "update_optimizer", self.optimizer), "loss_scale_factor", None)
         with tf.GradientTape() as tape:
@@ -152,9 +152,11 @@ class _ModelFnStep(TrainStep):
             scaled = loss_scale.scale_loss(spec.loss) if loss_scale else spec.loss
             if factor is not None:
                 scaled = scaled * factor
-        grads = with_variable_shapes(tape.gradient(scaled, variables), variables)
+        grads = self.gradients(tape, scaled)
         weight = tf.cast(_batch_size(features), tf.float32)
         self._graph.accumulate_loss(spec.loss, weight)
+        # The parameter-server runner returns each step's loss to the chief.
+        self.last_loss = spec.loss
         return [_scale(g, weight) for g in grads] + [weight]
 
 
@@ -629,17 +631,31 @@ class Estimator:
     def _parameter_server_function(self, graph: _Graph) -> Callable:
         strategy, optimizer = graph.strategy, graph.optimizer
         variables = graph.records[ModeKeys.TRAIN].trainable_variables
+        if is_tfdist_strategy(strategy):
+            # The engine's step: the worker's gradient (per shard of a
+            # partitioned variable), the transform chain (clipping), the
+            # update template applied in place on the ps variables.
+            with strategy.scope():
+                step = _ModelFnStep.build(graph, optimizer, variables)
 
+            def worker_fn(iterator):
+                step(next(iterator))
+                graph.global_step.assign_add(1)
+                return step.last_loss
+
+            return tf.function(worker_fn, autograph=False)
+
+        # TensorFlow's own ParameterServerStrategy: Keras's optimizer.
         def replica_fn(data):
             features, labels = _split(data)
             with tf.GradientTape() as tape:
                 spec = graph.call_model_fn(features, labels, ModeKeys.TRAIN)
-            grads = kc.clip_gradients(optimizer, tape.gradient(spec.loss, variables))
-            return grads, spec.loss
+            grads = tape.gradient(spec.loss, variables)
+            optimizer.apply_gradients(zip(grads, variables))
+            return spec.loss
 
         def worker_fn(iterator):
-            grads, loss = strategy.run(replica_fn, args=(next(iterator),))
-            update.apply_update(optimizer, grads, variables, update.InPlace())
+            loss = strategy.run(replica_fn, args=(next(iterator),))
             graph.global_step.assign_add(1)
             return loss
 

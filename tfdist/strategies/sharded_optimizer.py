@@ -146,7 +146,7 @@ class _ShardedStrategyMixin:
                 f"{len(optimizer.variables)} variables), so it cannot be sharded. Pass a new, "
                 "unbuilt optimizer to model.compile() under the 'sharded_optimizer' strategy."
             )
-        kc.install_sharded_optimizer(optimizer, ShardedState(self, optimizer))
+        kc.make_sharded_optimizer(optimizer, ShardedState(self, optimizer))
         if not getattr(model, "_tfdist_load_guarded", False):
             kc.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
             object.__setattr__(model, "_tfdist_load_guarded", True)
@@ -308,11 +308,59 @@ def _restore(model, saved: tuple) -> None:
         state.load_canonical_values(values)
 
 
+def canonical_optimizer_layout(optimizer, flat_variable, num_variables: int) -> list:
+    """How `optimizer`'s state, built on `flat_variable`, maps to a single-device build.
+
+    A template of the user's optimizer class (same config) is built on
+    `num_variables` one-element proxies; its `variables` list is the order a
+    single-device optimizer would save. Slots are matched by what
+    `add_variable_from_reference` recorded (reference and slot name), no
+    variable name is parsed. Returns one entry per template variable:
+    `("slot", slot_name, variable_index)` for a per-variable slot (Adam's
+    momentum of variable 3, ...), or `("plain", variable)` for the optimizer's
+    own state (iterations, learning rate, Nadam's `u_product`), matched in
+    order; and the slots built on `flat_variable` by name.
+    """
+    template = kc.recording_copy(optimizer)
+    proxies = [keras.Variable(np.zeros((1,), "float32"), name=f"proxy{i}") for i in range(num_variables)]
+    template.build(proxies)
+    index = {id(p): i for i, p in enumerate(proxies)}
+    template_slots = {
+        id(v): (name, index[id(ref)])
+        for ref, name, v in kc.slot_records(template)
+        if id(ref) in index
+    }
+    slots = {
+        name: v for ref, name, v in kc.slot_records(optimizer) if ref is flat_variable
+    }
+    slot_ids = {id(v) for v in slots.values()}
+    plain = [v for v in optimizer.variables if id(v) not in slot_ids]
+    entries = []
+    plain_iter = iter(plain)
+    for tv in template.variables:
+        if id(tv) in template_slots and template_slots[id(tv)][0] in slots:
+            name, i = template_slots[id(tv)]
+            entries.append(("slot", name, i))
+        else:
+            v = next(plain_iter, None)
+            if v is None or tuple(v.shape) != tuple(tv.shape):
+                raise NotImplementedError(
+                    f"{type(optimizer).__name__} keeps state the sharded optimizer cannot map to "
+                    f"its single-device layout (variable {tv.name!r}). Use mirrored, or an "
+                    "optimizer whose state is per element (SGD, Adam, AdamW, RMSprop, Adagrad, "
+                    "Nadam, Lion, ...)."
+                )
+            entries.append(("plain", v))
+    return entries, slots
+
+
+
 class ShardedState:
     """The sharded side of one Keras optimizer: layout, flat slice variable, canonical state.
 
     Created by `ShardedOptimizerStrategy.on_compile`; its methods are
-    installed on the optimizer instance (`tfdist._compat.keras.install_sharded_optimizer`).
+    called by the optimizer, whose class becomes a same-named subclass of the user's
+    (`tfdist._compat.keras.make_sharded_optimizer`).
 
     Attributes:
         layout: the `FlatLayout` of the model's trainable variables.
@@ -336,7 +384,7 @@ class ShardedState:
         self._checkpoint_children: dict | None = None
         self._gather_functions: dict = {}
 
-    # Hooks installed on the optimizer ---------------------------------------
+    # What the sharded optimizer class calls-----------------------------------
     def build(self, variables) -> None:
         optimizer = self.optimizer
         if optimizer.built:
@@ -370,7 +418,7 @@ class ShardedState:
                 name="tfdist_parameter_shard",
             )
             kc.build_optimizer(optimizer, [self.flat])
-            self.entries, self.slots = kc.canonical_optimizer_layout(optimizer, self.flat, len(variables))
+            self.entries, self.slots = canonical_optimizer_layout(optimizer, self.flat, len(variables))
             # State an optimizer starts from the weights (ScheduleFreeAdamW's
             # momentum): its `build` copied the flat variable, read in
             # cross-replica context (one replica's zeros); each replica's copy
@@ -394,7 +442,7 @@ class ShardedState:
             self.decay = [kc.uses_weight_decay(optimizer, v) for v in variables]
         self._checkpoint_children = None
 
-    def _clip_gradients(self, grads: list) -> list:
+    def clip_slices(self, grads: list) -> list:
         """The optimizer's clipping on gradient slices, with norms summed across replicas.
 
         Runs in replica context (the engine's `finish`), on `[slice]`.
@@ -458,7 +506,7 @@ class ShardedState:
             )
         self.load_canonical_values([store[str(i)] for i in range(len(store.keys()))])
 
-    def _trackable_children(self, save_type="checkpoint", **kwargs) -> dict:
+    def trackable_children(self, save_type="checkpoint", **kwargs) -> dict:
         """tf.train.Checkpoint: the children a single-device Keras optimizer has."""
         children = kc.class_trackable_children(self.optimizer, save_type, **kwargs)
         if self.layout is None or save_type != "checkpoint":
@@ -787,7 +835,7 @@ class ShardedState:
             ordered = [g if g is None else g / scale for g in ordered]
         ordered = [tf.convert_to_tensor(g) if isinstance(g, keras.Variable) else g for g in ordered]
         shard, _ = self.reduce(self.strategy.options.bucket_bytes, ordered + [tf.constant(1.0)])
-        (shard,) = self._clip_gradients([shard])
+        (shard,) = self.clip_slices([shard])
         updated = ctx.merge_call(lambda _, g: self._update_slices([g]), args=(shard,))
         pending: dict = {}
         after: dict = {}
