@@ -5,16 +5,17 @@ and stop when a failure repeats with no progress; each task's output is
 prefixed, other tasks' progress bars and TensorFlow's start-up noise dropped;
 each task's temporary directory goes when it ends; usage errors name the fix.
 
-The tasks are tiny Python scripts without TensorFlow. Launchers that must be
-signalled run in their own process from `tfdist/launch.py` loaded by path,
-which imports nothing of tfdist or TensorFlow, so they start in well under a
-second.
+The tasks are tiny Python scripts, without TensorFlow except where real
+TensorFlow servers show what reaches them with and without
+`--private-network`. Launchers that must be signalled run in their own process
+from `tfdist/launch.py` loaded by path, which imports nothing of tfdist or
+TensorFlow, so they start in well under a second.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -476,31 +477,40 @@ def test_a_strategy_class_imported_from_its_module_still_installs_the_hooks():
 # Network exposure (docs/operations.md).
 # ---------------------------------------------------------------------------
 
-# Listens as TensorFlow's gRPC server does: its address's host is ignored and
-# it binds 0.0.0.0, which gRPC opens as the dual-stack [::] on every interface.
-SERVE_LIKE_TENSORFLOW = """
-    import socket
-    port = int(config["cluster"]["worker"][0].rsplit(":", 1)[1])
-    if role == "worker:0":
-        server = socket.socket(socket.AF_INET6)
-        server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        server.bind(("::", port))
-        server.listen()
-        server.settimeout(0.05)
-        open(os.path.join(out, "port.tmp"), "w").write(str(port))
-        os.rename(os.path.join(out, "port.tmp"), os.path.join(out, "port"))
-        while not os.path.exists(os.path.join(out, "probed")):
-            try:
-                server.accept()[0].close()
-            except socket.timeout:
-                pass
+# Every task starts a real TensorFlow server from its TF_CONFIG cluster (it
+# binds 0.0.0.0 whatever the address says); worker 1 runs an op placed on
+# worker 0 through it, fed from worker 1 (so nothing is folded away). Each task
+# then serves until the test has probed the servers from outside the job.
+TENSORFLOW_SERVERS = """
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import tensorflow as tf
+
+    def put(name, text=""):
+        open(os.path.join(out, name + ".tmp"), "w").write(text)
+        os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+
+    def wait_for(name):
+        while not os.path.exists(os.path.join(out, name)):
+            time.sleep(0.02)
+
+    index = config["task"]["index"]
+    server = tf.distribute.Server(tf.train.ClusterSpec(config["cluster"]), job_name="worker", task_index=index)
+    if index == 0:
+        put("serving", json.dumps({"cluster": config["cluster"], "net": os.readlink("/proc/self/ns/net")}))
     else:
-        while not os.path.exists(os.path.join(out, "port")):
-            time.sleep(0.01)
-        socket.create_connection(("127.0.0.1", port), timeout=5).close()
-        open(os.path.join(out, "peer-connected"), "w").close()
-        while not os.path.exists(os.path.join(out, "probed")):
-            time.sleep(0.01)
+        wait_for("serving")
+        with tf.Graph().as_default():
+            x = tf.compat.v1.placeholder(tf.int64, [])
+            with tf.device("/job:worker/replica:0/task:0"):
+                y = x * 2 + 1
+            trace = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE, timeout_in_ms=30000)
+            metadata = tf.compat.v1.RunMetadata()
+            with tf.compat.v1.Session(server.target) as session:
+                value = session.run(y, {x: 20}, options=trace, run_metadata=metadata)
+        devices = sorted({d.device for d in metadata.step_stats.dev_stats})
+        put("remote-op", json.dumps({"value": int(value), "devices": devices}))
+    wait_for("probed")
+    os._exit(0)  # at once: TensorFlow's exit handlers can take seconds on a loaded host
 """
 
 
@@ -519,50 +529,141 @@ def host_address() -> str:
     return address
 
 
-def probe_job(tmp_path, launcher) -> dict[str, bool]:
-    """Whether the job's server accepts connections from outside the job, on each address."""
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "peer-connected").exists():
+def accepts(address: str, port: int) -> bool:
+    """Whether a connection from this (the test's) process to `address:port` is accepted."""
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def wait_for_file(path, launcher, timeout=90.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
         assert launcher.poll() is None, launcher.communicate()
-        assert time.monotonic() < deadline, "the job did not start"
-        time.sleep(0.02)
-    port = int((tmp_path / "port").read_text())
-    reachable = {}
-    for address in (host_address(), "127.0.0.1"):
-        try:
-            socket.create_connection((address, port), timeout=2).close()
-            reachable[address] = True
-        except OSError:
-            reachable[address] = False
-    (tmp_path / "probed").touch()
-    assert launcher.wait(timeout=30) == 0, launcher.communicate()
-    return reachable
+        assert time.monotonic() < deadline, f"{path.name} did not appear"
+        time.sleep(0.05)
+    return path.read_text()
 
 
-def test_a_job_in_its_own_network_namespace_accepts_connections_from_itself_only(tmp_path):
-    # As docs/operations.md shows: without it, the server of a local job is
-    # reachable on the host's other addresses too.
-    free = tmp_path / "free"
-    free.mkdir()
-    launcher = start_launcher(free, SERVE_LIKE_TENSORFLOW, workers=2)
+def private_network_launcher(tmp_path, command, workers: int) -> subprocess.Popen:
+    """`tfdist launch --private-network` running `command`; skips where namespaces are unavailable."""
     try:
-        assert set(probe_job(free, launcher).values()) == {True}
-    finally:
-        kill_all(launcher, [])
-
-    if shutil.which("unshare") is None or shutil.which("ip") is None or subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--net", "true"], capture_output=True
-    ).returncode:
-        pytest.skip("unprivileged user and network namespaces (unshare -rn) are not available here")
-    confined = tmp_path / "confined"
-    confined.mkdir()
-    command = script(confined, SERVE_LIKE_TENSORFLOW)
-    launcher = subprocess.Popen(
-        ["unshare", "--user", "--map-root-user", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
-         sys.executable, "-m", "tfdist.cli", "launch", "--workers", "2", "--", *command],
+        launch.private_network_tools()
+    except launch.NoPrivateNetwork as e:
+        pytest.skip(f"--private-network is not available here: {e}")
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tfdist.cli", "launch", "--private-network", "--workers", str(workers),
+         "--timeout", "120", "--", *command],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
     )
+
+
+def my_network_namespace(pid) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def test_without_private_network_a_tensorflow_server_accepts_connections_on_every_address(tmp_path):
+    # Its address is 127.0.0.1:P, yet it serves on the host's other address too.
+    address = host_address()
+    launcher = start_launcher(tmp_path, TENSORFLOW_SERVERS, workers=1)
     try:
-        assert probe_job(confined, launcher) == {host_address(): False, "127.0.0.1": False}
+        serving = json.loads(wait_for_file(tmp_path / "serving", launcher))
+        port = int(serving["cluster"]["worker"][0].rsplit(":", 1)[1])
+        assert {a: accepts(a, port) for a in (address, "127.0.0.1")} == {address: True, "127.0.0.1": True}
+        (tmp_path / "probed").touch()
+        assert launcher.wait(timeout=30) == 0, launcher.communicate()
     finally:
         kill_all(launcher, [])
+
+
+def test_with_private_network_the_tasks_reach_each_other_and_nothing_else_reaches_them(tmp_path):
+    address = host_address()
+    launcher = private_network_launcher(tmp_path, script(tmp_path, TENSORFLOW_SERVERS), workers=2)
+    try:
+        remote = json.loads(wait_for_file(tmp_path / "remote-op", launcher))
+        assert remote == {"value": 41, "devices": ["/job:worker/replica:0/task:0/device:CPU:0",
+                                                   "/job:worker/replica:0/task:1/device:CPU:0"]}
+        serving = json.loads((tmp_path / "serving").read_text())
+        assert serving["net"] != my_network_namespace("self")
+        ports = [int(a.rsplit(":", 1)[1]) for a in serving["cluster"]["worker"]]
+        assert {(a, p): accepts(a, p) for a in (address, "127.0.0.1") for p in ports} == {
+            (a, p): False for a in (address, "127.0.0.1") for p in ports
+        }
+        (tmp_path / "probed").touch()
+        out, err = launcher.communicate(timeout=30)
+        assert launcher.returncode == 0, err
+        assert err == (
+            "tfdist launch: summary: worker:0  exited with status 0  restarts 0\n"
+            "tfdist launch: summary: worker:1  exited with status 0  restarts 0\n"
+        )
+    finally:
+        kill_all(launcher, [])
+
+
+def test_sigterm_to_the_launcher_under_private_network_stops_the_job(tmp_path):
+    # The launcher re-executes itself without --fork: the pid that was started
+    # is the launcher that owns the tasks, inside the namespace.
+    launcher = private_network_launcher(tmp_path, script(tmp_path, WRITE_PID_AND_SERVE), workers=2)
+    pids = {}
+    try:
+        pids = wait_for_pids(tmp_path, ["worker:0", "worker:1"], launcher)
+        for pid in pids.values():
+            with open(f"/proc/{pid}/stat") as f:
+                assert int(f.read().rsplit(")", 1)[1].split()[1]) == launcher.pid  # its parent
+            assert my_network_namespace(pid) == my_network_namespace(launcher.pid) != my_network_namespace("self")
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=20)
+        assert launcher.returncode == 143
+        assert err == (
+            "tfdist launch: SIGTERM received; stopped every process of the job.\n"
+            "tfdist launch: summary: worker:0  stopped by the launcher  restarts 0\n"
+            "tfdist launch: summary: worker:1  stopped by the launcher  restarts 0\n"
+        )
+        assert not any(alive(p) for p in pids.values())
+    finally:
+        kill_all(launcher, pids.values())
+
+
+FIX = ("Run without --private-network and confine the job's ports with a firewall instead "
+       '(docs/operations.md, "Network exposure").\n')
+
+
+@pytest.mark.parametrize("unshare, reason", [
+    ('echo "unshare: unshare failed: Operation not permitted" >&2; exit 1',
+     "this system does not let this user make user and network namespaces (`unshare --user --map-root-user "
+     "--net true` failed: unshare: unshare failed: Operation not permitted)"),
+    (None, "`unshare` (util-linux) was not found on PATH"),
+], ids=["unshare-fails", "unshare-missing"])
+def test_private_network_where_namespaces_are_unavailable_is_a_usage_error(tmp_path, unshare, reason):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    path = str(bin_dir)
+    if unshare is not None:  # an `unshare` that fails as it does where the kernel forbids it
+        (bin_dir / "unshare").write_text(f"#!/bin/sh\n{unshare}\n")
+        (bin_dir / "unshare").chmod(0o755)
+        path += os.pathsep + os.environ["PATH"]
+    done = subprocess.run(
+        [sys.executable, "-m", "tfdist.cli", "launch", "--private-network", "--workers", "2", "--",
+         sys.executable, "-c", "pass"],
+        cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PATH": path},
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"tfdist launch: --private-network: {reason}. {FIX}"
+
+
+def test_the_reexecuted_launcher_gets_the_same_flags():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    launch.add_arguments(parser)
+    argv = ["--workers", "3", "--chief", "--ps", "2", "--evaluator", "--restarts", "4", "--timeout", "0.5",
+            "--startup-timeout", "45", "--all-progress", "--tf-logs", "--private-network"]
+    args = parser.parse_args(argv)
+    assert parser.parse_args(launch._launcher_flags(args)) == args
+    assert launch._launcher_flags(parser.parse_args(["--workers", "2"])) == [
+        "--workers", "2", "--ps", "0", "--restarts", "0",
+    ]

@@ -32,6 +32,12 @@ ends (and so on every restart): what a script or TensorFlow leaves in the
 temporary directory (a non-chief's checkpoint copies, autograph files) goes
 with it. What a SIGKILLed launcher leaves there, the next launch removes.
 
+With `--private-network` (command line, Linux) the launcher first re-executes
+itself, keeping its pid, in a new user and network namespace whose only network
+is its own loopback: TensorFlow's servers, which listen on every interface
+whatever the cluster spec says, are then reachable from the job's own
+processes only (docs/operations.md, "Network exposure").
+
 The launcher itself uses no TensorFlow; only the processes it starts do.
 """
 
@@ -42,6 +48,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -644,6 +651,118 @@ def run_job(
             signal.signal(sig, handler)
 
 
+# ---------------------------------------------------------------------------
+# --private-network: the job in a network namespace of its own.
+# ---------------------------------------------------------------------------
+
+# The launcher sets it to its pid when it re-executes itself in a new network
+# namespace (exec keeps the pid): the launcher that finds its own pid there is
+# the re-executed one, and runs the job instead of re-executing again.
+PRIVATE_NETWORK_MARKER = "TFDIST_PRIVATE_NETWORK"
+_NAMESPACE = ("--user", "--map-root-user", "--net")
+_FIREWALL_FIX = (
+    "Run without --private-network and confine the job's ports with a firewall instead "
+    '(docs/operations.md, "Network exposure").'
+)
+
+
+class NoPrivateNetwork(Exception):
+    """Why this host cannot give a job a network namespace of its own."""
+
+
+def private_network_tools() -> tuple[str, str]:
+    """Paths of `unshare` and `ip`, once a user and network namespace was made with them.
+
+    Raises:
+        NoPrivateNetwork: either is missing, or the kernel does not let this
+            user make the namespace; the message says which.
+    """
+    if not sys.platform.startswith("linux"):
+        raise NoPrivateNetwork(f"network namespaces exist on Linux only (this is {sys.platform})")
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        raise NoPrivateNetwork("`unshare` (util-linux) was not found on PATH")
+    # `ip` is in /usr/sbin or /sbin, off the PATH of users on some distributions.
+    ip = shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin")
+    if ip is None:
+        raise NoPrivateNetwork("`ip` (iproute2) was not found on PATH, /usr/sbin or /sbin")
+    for probe, what in (
+        ([unshare, *_NAMESPACE, "true"], "this system does not let this user make user and network namespaces"),
+        ([unshare, *_NAMESPACE, "--", ip, "link", "set", "lo", "up"], "the loopback of a new network namespace "
+                                                                       "cannot be brought up"),
+    ):
+        try:
+            done = subprocess.run(probe, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise NoPrivateNetwork(f"{what} (`{' '.join(probe[1:])}`: {e})") from None
+        if done.returncode != 0:
+            lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+            detail = lines[-1] if lines else f"exit status {done.returncode}"
+            shown = " ".join(["unshare", *probe[1:]]).replace(ip, "ip")
+            raise NoPrivateNetwork(f"{what} (`{shown}` failed: {detail})")
+    return unshare, ip
+
+
+def _launcher_flags(args) -> list[str]:
+    """The `tfdist launch` flags that parse back to `args` (every flag `add_arguments` defines)."""
+    import argparse
+
+    class Recorder:  # keeps the actions `add_argument` returns
+        def __init__(self):
+            self.parser, self.actions = argparse.ArgumentParser(add_help=False), []
+
+        def add_argument(self, *names, **kwargs):
+            self.actions.append(self.parser.add_argument(*names, **kwargs))
+
+    recorder = Recorder()
+    add_arguments(recorder)
+    flags: list[str] = []
+    for action in recorder.actions:
+        value = getattr(args, action.dest, None)
+        if value is None or value is False:
+            continue
+        flags += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
+    return flags
+
+
+def _in_private_network() -> bool:
+    """Whether this launcher is the one `_enter_private_network` re-executed (and forgets the marker)."""
+    if os.environ.get(PRIVATE_NETWORK_MARKER) != str(os.getpid()):
+        return False
+    del os.environ[PRIVATE_NETWORK_MARKER]  # not passed on to the tasks
+    return True
+
+
+def _enter_private_network(args, command: list[str]) -> int:
+    """Re-executes this launcher, same pid, in a new user and network namespace with loopback up.
+
+    `unshare --user --map-root-user --net -- sh -c 'ip link set lo up && exec "$@"' sh
+    python -m tfdist.cli launch FLAGS -- COMMAND`, without `--fork`: every
+    exec keeps this process, so signals to the launcher still reach it and it
+    still owns its tasks. Returns 2, after a usage error, only when it cannot.
+    """
+    try:
+        unshare, ip = private_network_tools()
+        if not sys.executable:
+            raise NoPrivateNetwork("the path of this Python interpreter is unknown (sys.executable is empty)")
+    except NoPrivateNetwork as e:
+        _say(f"--private-network: {e}. {_FIREWALL_FIX}")
+        return 2
+    argv = [
+        unshare, *_NAMESPACE, "--", shutil.which("sh") or "/bin/sh", "-c",
+        f'{shlex.quote(ip)} link set lo up && exec "$@"', "sh",
+        sys.executable, "-m", "tfdist.cli", "launch", *_launcher_flags(args), "--", *command,
+    ]
+    env = {**os.environ, PRIVATE_NETWORK_MARKER: str(os.getpid())}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(unshare, argv, env)
+    except OSError as e:
+        _say(f"--private-network: cannot run {unshare}: {e.strerror or e}. {_FIREWALL_FIX}")
+    return 2
+
+
 def add_arguments(p) -> None:
     """The flags of `tfdist launch`."""
     p.add_argument("--workers", type=int, required=True, help="number of worker processes")
@@ -663,9 +782,13 @@ def add_arguments(p) -> None:
                    help="show every task's progress bars (default: only the chief's)")
     p.add_argument("--tf-logs", action="store_true",
                    help="keep TensorFlow's start-up messages (default: dropped)")
+    p.add_argument("--private-network", action="store_true",
+                   help="run the job in a network namespace of its own (Linux, unprivileged user namespaces): "
+                        "its TensorFlow servers, which listen on every interface, are reachable only from its "
+                        "own processes; the job has no network but its loopback")
     p.usage = (
         "tfdist launch --workers N [--chief] [--ps M] [--evaluator] [--restarts K] [--timeout S] "
-        "[--startup-timeout S] [--all-progress] [--tf-logs] -- python train.py ARGS"
+        "[--startup-timeout S] [--all-progress] [--tf-logs] [--private-network] -- python train.py ARGS"
     )
     p.epilog = "Signals, restarts and network exposure: docs/operations.md"
 
@@ -686,6 +809,11 @@ def main(args) -> int:
             return 2
         env = {"TFDIST_STARTUP_TIMEOUT": f"{startup:g}"}
     try:
+        if getattr(args, "private_network", False) and not _in_private_network():
+            # Usage errors first, in this process, not after re-executing it.
+            _check_arguments(command, args.workers, args.chief, args.ps, args.evaluator, args.restarts,
+                             args.timeout)
+            return _enter_private_network(args, command)
         return run_job(command, args.workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator,
                        restarts=args.restarts, timeout=args.timeout, env=env,
                        all_progress=getattr(args, "all_progress", False), tf_logs=getattr(args, "tf_logs", False))
