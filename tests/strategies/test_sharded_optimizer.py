@@ -331,19 +331,37 @@ def test_embedding_rows_update_as_on_one_device_in_small_buckets(name, stage, to
             "Optimizer Muon is not supported by the 'sharded_optimizer' strategy: it orthogonalises "
             "each variable's whole update matrix",
         ),
-        (
-            lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
-            "LossScaleOptimizer (mixed_float16 dynamic loss scaling) is not supported by the "
-            "'sharded_optimizer' strategy",
-        ),
     ],
-    ids=["lamb", "adafactor", "muon", "loss_scale"],
+    ids=["lamb", "adafactor", "muon"],
 )
 def test_whole_tensor_optimizers_are_refused_at_compile(optimizer_fn, message):
     with sharded(2).scope():
         with pytest.raises(NotImplementedError) as e:
             build_model(optimizer=optimizer_fn())
     assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_mixed_float16_trains_like_mirrored_and_saves_the_single_device_layout(stage, tmp_path, data10):
+    # Keras wraps the optimizer in a LossScaleOptimizer; its inner Adam is
+    # sharded (slices of the float32 weights: the master copy), the step scales
+    # the loss and skips the update on inf/nan on every replica alike.
+    x, y = data10
+    adam = lambda: keras.optimizers.Adam(1e-3)  # noqa: E731
+    mirrored = train(tfdist.get_strategy("mirrored", devices=DEVICES[4], precision="mixed_float16"), adam, x, y)
+    model = train(sharded(4, stage=stage, precision="mixed_float16"), adam, x, y)
+    assert kc.is_loss_scale_optimizer(model.optimizer) and kc.sharded_state(model.optimizer) is not None
+    assert model.layers[0].compute_dtype == "float16" and model.layers[0].kernel.dtype == "float32"
+    assert max_relative_difference(mirrored.get_weights(), model.get_weights()) < 1e-6
+    assert model.optimizer.dynamic_scale.numpy() == mirrored.optimizer.dynamic_scale.numpy()
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    with tfdist.get_strategy("mirrored", devices=DEVICES[2], precision="mixed_float16").scope():
+        loaded = keras.models.load_model(path)
+    names = [v.name for v in loaded.optimizer.variables]
+    assert names[:4] == ["iteration", "learning_rate", "step_counter", "dynamic_scale"]
+    assert len(names) == 4 + 2 + 2 * 4
+    assert max_relative_difference(canonical(mirrored), canonical(loaded)) < 1e-6
 
 
 def test_tf_keras_is_refused_with_a_clear_error():

@@ -732,6 +732,30 @@ class _ShardedOptimizer(_RecordsSlots):
         return self.__dict__["_tfdist_sharded"].trackable_children(save_type, **kwargs)
 
 
+class _ShardedLossScale:
+    """A `LossScaleOptimizer` whose inner optimizer is sharded: saves as a single-device one does.
+
+    Keras's `save_own_variables` writes `variables` (its own, then the inner
+    optimizer's, which here are flat slices); this writes its own, then the
+    inner optimizer's canonical single-device state, so `.keras` and
+    `.weights.h5` files load on any strategy and replica count.
+    """
+
+    def save_own_variables(self, store):
+        inner = self.inner_optimizer.__dict__["_tfdist_sharded"]
+        values = [v.numpy() for v in self._variables] + list(inner.canonical_values())
+        for i, value in enumerate(values):
+            store[str(i)] = value
+
+    def load_own_variables(self, store):
+        inner = self.inner_optimizer.__dict__["_tfdist_sharded"]
+        own = len(self._variables)
+        values = [store[str(i)] for i in range(len(store.keys()))]
+        inner.load_canonical_values(values[own:])  # validates before anything is written
+        for variable, value in zip(self._variables, values[:own]):
+            variable.assign(value)
+
+
 _derived: dict = {}
 
 
@@ -766,12 +790,12 @@ def _serialize_as(derived, cls) -> None:
 def unsharded_class(optimizer):
     """The user's optimizer class under tfdist's derived one (itself if not derived)."""
     cls = type(optimizer)
-    while cls.__bases__ and cls.__bases__[0] in (_ShardedOptimizer, _RecordsSlots):
+    while cls.__bases__ and cls.__bases__[0] in (_ShardedOptimizer, _RecordsSlots, _ShardedLossScale):
         cls = cls.__bases__[1]
     return cls
 
 
-def make_sharded_optimizer(optimizer, sharded) -> None:
+def make_sharded_optimizer(optimizer, sharded, loss_scale_optimizer=None) -> None:
     """Makes `optimizer` (unbuilt) the sharded optimizer whose state `sharded` holds.
 
     The instance changes class to a same-named subclass of its own class with
@@ -780,14 +804,19 @@ def make_sharded_optimizer(optimizer, sharded) -> None:
     Keras calls `optimizer.build(model.trainable_variables)` from `fit`,
     `compile_from_config` and `apply`; every such call now builds the slices.
     `apply` (and `apply_gradients`, which calls it) from a custom `train_step`
-    or training loop runs the sharded update.
+    or training loop runs the sharded update. `loss_scale_optimizer`, the
+    `LossScaleOptimizer` whose inner optimizer `optimizer` is (mixed_float16),
+    saves its inner state in the single-device layout (`_ShardedLossScale`).
     """
     object.__setattr__(optimizer, "_tfdist_sharded", sharded)
     optimizer.__class__ = _derived_class(type(optimizer), _ShardedOptimizer)
+    if loss_scale_optimizer is not None:
+        loss_scale_optimizer.__class__ = _derived_class(type(loss_scale_optimizer), _ShardedLossScale)
 
 
 def sharded_state(optimizer):
-    """The `ShardedState` of a sharded optimizer, or `None`."""
+    """The `ShardedState` of a sharded optimizer (or of a LossScaleOptimizer's sharded inner one), or `None`."""
+    optimizer = inner_optimizer(optimizer)
     if isinstance(optimizer, _ShardedOptimizer):
         return optimizer.__dict__["_tfdist_sharded"]
     return None

@@ -104,13 +104,6 @@ class _ShardedStrategyMixin:
                 "its reduce-scatter exchanges float32. Use stage=1 (whose all-reduce it compresses), or "
                 "leave allreduce_dtype='float32'."
             )
-        if feature == "loss_scale_optimizer":
-            return (
-                "LossScaleOptimizer (mixed_float16 dynamic loss scaling) is not supported by "
-                "the 'sharded_optimizer' strategy: its per-slice optimizers are built from the "
-                "optimizer's own class and do not carry the loss-scale wrapper. Use "
-                "mixed_bfloat16 or float32, or the mirrored strategy."
-            )
         if feature == "optimizer":
             name = type(model.optimizer).__name__
             reason = _WHOLE_TENSOR_OPTIMIZERS.get(name)
@@ -140,13 +133,17 @@ class _ShardedStrategyMixin:
             return
         if kc.sharded_state(optimizer) is not None:
             return
+        # Under mixed_float16 Keras wraps the optimizer in a LossScaleOptimizer:
+        # the inner one is sharded (its slices read float32 weights: the master
+        # copy), the engine's step scales the loss and gates the update.
+        wrapper, optimizer = (optimizer, kc.inner_optimizer(optimizer)) if kc.is_loss_scale_optimizer(optimizer) else (None, optimizer)
         if optimizer.built:
             raise ValueError(
                 f"The optimizer {optimizer.name!r} was already built (it holds full state for "
                 f"{len(optimizer.variables)} variables), so it cannot be sharded. Pass a new, "
                 "unbuilt optimizer to model.compile() under the 'sharded_optimizer' strategy."
             )
-        kc.make_sharded_optimizer(optimizer, ShardedState(self, optimizer))
+        kc.make_sharded_optimizer(optimizer, ShardedState(self, optimizer), loss_scale_optimizer=wrapper)
         if not getattr(model, "_tfdist_load_guarded", False):
             kc.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
             object.__setattr__(model, "_tfdist_load_guarded", True)
