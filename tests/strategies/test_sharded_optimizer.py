@@ -364,6 +364,19 @@ def test_mixed_float16_trains_like_mirrored_and_saves_the_single_device_layout(s
     assert max_relative_difference(canonical(mirrored), canonical(loaded)) < 1e-6
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_keras_gradient_accumulation_steps_match_mirrored_and_count_like_keras(stage, data10):
+    # The engine accumulates per replica and communicates on the k-th micro-step
+    # only; Keras's counter counts micro-steps, `iterations` reads optimizer steps.
+    x, y = data10
+    adam = lambda: keras.optimizers.Adam(1e-3, gradient_accumulation_steps=2)  # noqa: E731
+    mirrored = train(tfdist.get_strategy("mirrored", devices=DEVICES[4]), adam, x, y)
+    model = train(sharded(4, stage=stage), adam, x, y)
+    assert max_relative_difference(mirrored.get_weights(), model.get_weights()) < 1e-6
+    assert int(model.optimizer.iterations.numpy()) == int(mirrored.optimizer.iterations.numpy()) == 5
+    assert max_relative_difference(canonical(mirrored)[2:], canonical(model)[2:]) < 1e-6
+
+
 def test_tf_keras_is_refused_with_a_clear_error():
     tf_keras = pytest.importorskip("tf_keras")
     with sharded(2).scope():

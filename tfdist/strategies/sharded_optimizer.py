@@ -113,11 +113,6 @@ class _ShardedStrategyMixin:
                     f"strategy: {reason}, and each replica holds only a flat slice. Use the mirrored "
                     "strategy, or an optimizer with per-element state (Adam, AdamW, SGD, Lion, ...)."
                 )
-        if feature == "keras_accumulation":
-            return (
-                "Optimizer(gradient_accumulation_steps=...) is not supported by the "
-                "'sharded_optimizer' strategy. Use the strategy option accumulation_steps=... instead."
-            )
         if feature == "estimator":
             return (
                 "Strategy 'sharded_optimizer' is not supported by tfdist.estimator yet: it shards the "
