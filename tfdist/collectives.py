@@ -227,8 +227,21 @@ def all_reduce_sum(values: Sequence, bucket_bytes: int, allreduce_dtype: str = "
     # TensorFlow's own batching would concatenate every tensor of one call into
     # a single collective (bytes_per_pack=0); a 1-byte pack limit makes it send
     # each of our buffers as it is, so buckets alone decide the fusion.
-    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed, options=_ONE_COLLECTIVE_PER_BUFFER)
-    return plan.unpack(restore(reduced[:len(plan.buckets)]) + list(reduced[len(plan.buckets):]))
+    #
+    # TensorFlow launches one call's dense values in reverse order (2.16 to
+    # 2.21, `CollectiveAllReduce._all_reduce_per_replica_values`: "Reverse the
+    # lists so that ... values follows the order in which they are calculated"),
+    # which would turn the plan's send order (last layers first, whose
+    # gradients backprop produces first) into first layers first: every
+    # collective would then wait for the whole backward pass. Handing the
+    # buckets over reversed makes them launch in send order, so the exchange of
+    # the last layers overlaps the rest of backprop
+    # (tests/engine/test_bucketing.py, test_each_buckets_collective_depends_only_on_its_own_gradients).
+    n = len(plan.buckets)
+    reduced = ctx.all_reduce(
+        tf.distribute.ReduceOp.SUM, packed[:n][::-1] + packed[n:], options=_ONE_COLLECTIVE_PER_BUFFER
+    )
+    return plan.unpack(restore(list(reduced[:n])[::-1]) + list(reduced[n:]))
 
 
 def compress(buffers: Sequence, allreduce_dtype: str, num_replicas: int):

@@ -170,3 +170,59 @@ def test_position_embedding_under_adam_matches_one_device(name, options):
         model = _positions_model()
     model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     assert max_relative_difference(reference, model) < 1e-5
+
+
+def _ancestors(op, control: bool) -> set:
+    """Every op `op` waits for: its data inputs' producers, recursively (and control inputs if `control`)."""
+    seen, stack = set(), [t.op for t in op.inputs] + (list(op.control_inputs) if control else [])
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        stack.extend(t.op for t in current.inputs)
+        if control:
+            stack.extend(current.control_inputs)
+    return seen
+
+
+def test_each_buckets_collective_waits_only_for_its_own_and_earlier_sent_gradients(digits):
+    # Overlap (issue 18): buckets are sent last layer first, the order backprop
+    # produces gradients, so a bucket's all-reduce can start while earlier
+    # layers' gradients are still being computed. TensorFlow chains one
+    # device's collectives in launch order (an ordering token) and launches a
+    # call's dense values reversed, so without tfdist.collectives handing them
+    # over reversed, the first kernel's bucket went first and every collective
+    # waited for the whole backward pass. One variable per bucket
+    # (bucket_bytes=0); each gradient op is told apart by its shape: a
+    # kernel's is the backward MatMul (transpose_a), a bias's a BiasAddGrad.
+    x, y = digits
+    strategy = make_strategy("mirrored", replicas=2, bucket_bytes=0)
+    with strategy.scope():
+        model = tiny_model(hidden=16)
+        model.optimizer.build(model.trainable_variables)
+    step = TrainStep(model)
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x[:32], y[:32])).batch(32))))
+    ops = tf.function(step).get_concrete_function(batch).graph.get_operations()
+
+    def is_gradient(op):
+        return (op.type == "MatMul" and op.get_attr("transpose_a")) or op.type == "BiasAddGrad"
+
+    gradients = [op for op in ops if is_gradient(op)]
+    assert sorted(tuple(op.outputs[0].shape) for op in gradients) == sorted(
+        [(64, 16), (16,), (16, 10), (10,)] * 2
+    )
+    # Flat bucket size → the gradient shape it carries (the batch weight: none), in send order.
+    carries = {1: [], 10: [(10,)], 160: [(16, 10)], 16: [(16,)], 1024: [(64, 16)]}
+    for device in ("CPU:0", "CPU:1"):
+        collectives = [op for op in ops if op.type == "CollectiveReduceV2" and op.device.endswith(device)]
+        mine = [op for op in gradients if op.device.endswith(device)]
+        sizes = [c.inputs[0].shape.num_elements() for c in collectives]
+        assert sizes == [1, 10, 160, 16, 1024]  # created, chained and launched in this order
+        for k, (collective, size) in enumerate(zip(collectives, sizes)):
+            data = [tuple(op.outputs[0].shape) for op in mine if op in _ancestors(collective, control=False)]
+            waits = [tuple(op.outputs[0].shape) for op in mine if op in _ancestors(collective, control=True)]
+            assert data == carries[size], (device, size)  # no global op between gradients and buckets
+            sent_so_far = sorted(s for earlier in sizes[: k + 1] for s in carries[earlier])
+            assert sorted(waits) == sent_so_far, (device, size)  # nothing backprop makes later
