@@ -56,7 +56,6 @@ SHARDED_REFUSALS = {
     "adafactor": (NotImplementedError, "Optimizer Adafactor is not supported by the 'sharded_optimizer'"),
     "muon": (NotImplementedError, "Optimizer Muon is not supported by the 'sharded_optimizer'"),
     "multi_optimizer": (NotImplementedError, "Optimizer MultiOptimizer is not supported by the 'sharded_optimizer'"),
-    "loss_scale_optimizer": (NotImplementedError, "LossScaleOptimizer (mixed_float16 dynamic loss scaling)"),
 }
 
 STRATEGIES = {
