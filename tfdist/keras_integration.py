@@ -366,7 +366,7 @@ def redirect_non_chief_writes_in_fit() -> None:
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
         strategy = kc.model_strategy(self)
-        if not hasattr(strategy, "write_dir") or strategy.is_chief:
+        if not (is_tfdist_strategy(strategy) and strategy.redirects_non_chief_writes) or strategy.is_chief:
             return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         callbacks = bound.arguments.get("callbacks")

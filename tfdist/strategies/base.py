@@ -34,6 +34,10 @@ class TfdistStrategy:
             server's `ClusterCoordinator` loop).
         asynchronous: workers step without synchronising (parameter server):
             no step collective runs and there is no global batch.
+        redirects_non_chief_writes: a non-chief process's callback writes
+            (checkpoints, summaries) go to a temporary directory, removed after
+            `fit` (multi_worker: every worker runs the callbacks; the strategy
+            provides `is_chief`, `write_dir` and `remove_write_dir`).
 
     What a strategy runs is declared by `unsupported(feature, model)`, which
     the engine's validation (`tfdist.engine.loop.validate_compiled_model`) and the
@@ -45,6 +49,7 @@ class TfdistStrategy:
     gradient_path: ClassVar[engine_step.GradientPath] = engine_step.ALL_REDUCE
     host_loop: ClassVar[loop.HostLoop] = loop.KERAS_FIT
     asynchronous: ClassVar[bool] = False
+    redirects_non_chief_writes: ClassVar[bool] = False
 
     def unsupported(self, feature: str, model=None) -> str | None:
         """Why this strategy does not run `feature` (for `model`), or `None` when it does.

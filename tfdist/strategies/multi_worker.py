@@ -116,6 +116,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
     """
 
     name = "multi_worker"
+    redirects_non_chief_writes = True
     PARAMS = {
         "cluster": CLUSTER,
         "cluster_resolver": CLUSTER_RESOLVER,
