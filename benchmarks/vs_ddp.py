@@ -229,9 +229,15 @@ def run_ddp(model: str, workers: int, args) -> float:
         envs = [{**THREAD_ENV, "RANK": str(r), "WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": port} for r in range(workers)]
         codes = run_processes([command] * workers, envs, args.timeout)
-        if any(codes) or not os.path.exists(out):
+        if not os.path.exists(out):
             print(f"  ddp {model} {workers} worker(s): job failed with status {codes}", flush=True)
             return float("nan")
+        if any(codes):
+            # Rank 0 writes its result after the timed steps and the closing barrier;
+            # gloo's teardown sometimes aborts a rank afterwards ("terminate called
+            # without an active exception", status -6). The timing stands; say so.
+            print(f"  ddp {model} {workers} worker(s): exit statuses {codes} after the result was written "
+                  "(teardown); the result is kept", flush=True)
         with open(out) as f:
             return json.load(f)["samples_per_s"]
 

@@ -310,6 +310,40 @@ def test_peers_complaining_once_the_job_has_finished_are_not_shown(tmp_path, cap
     ]
 
 
+def test_a_complaint_about_a_peer_that_already_exited_cleanly_is_not_shown(tmp_path, capsys):
+    # What worker 0 (the chief) printed in benchmarks/vs_ddp.py's successful
+    # jobs when worker 1 finished first: its coordination service reports that
+    # task 1 stopped sending heartbeats. Task 1 had exited with status 0, so it
+    # is the end of the job; a complaint about a task still running is shown.
+    command = script(tmp_path, """
+        if role == "worker:1":
+            print("finished")
+            sys.exit(0)
+        if role == "worker:2":
+            time.sleep(2.5)  # still running when worker 0 names it
+            print("finished later")
+            sys.exit(0)
+        time.sleep(1.0)  # worker 1 has exited by now, and the launcher has seen it
+        print("E0000 00:00:1.0   1 coordination_service_agent.cc:1] UNAVAILABLE: task "
+              "/job:worker/replica:0/task:2 is unreachable")
+        print("E0000 00:00:1.0   1 base_collective_executor.cc:252] BaseCollectiveExecutor::StartAbort "
+              "UNAVAILABLE: Error reported from /job:worker/task:1: The following tasks are unhealthy "
+              "(stopped sending heartbeats):")
+        print("/job:worker/replica:0/task:1")
+        print("The tasks have crashed. Check the task logs for an earlier error, or scheduler events "
+              "(e.g. preemption, eviction) to debug further.")
+        print("done")
+    """)
+    assert run_job(command, workers=3) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == [
+        "[worker:0] E0000 00:00:1.0   1 coordination_service_agent.cc:1] UNAVAILABLE: task "
+        "/job:worker/replica:0/task:2 is unreachable",
+        "[worker:0] done",
+        "[worker:1] finished",
+        "[worker:2] finished later",
+    ]
+
+
 # ---------------------------------------------------------------------------
 # Temporary directories.
 # ---------------------------------------------------------------------------

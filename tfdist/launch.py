@@ -120,6 +120,13 @@ _TF_NOISE_WE = re.compile(
 _SHUTDOWN_NOISE = re.compile(
     r"UNAVAILABLE|CANCELLED|StartAbort|preempted|Socket closed|Connection reset|failed to connect"
 )
+# The task a TensorFlow message names: `/job:worker/replica:0/task:1` or `/job:worker/task:1`.
+_TASK_NAME = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
+# The lines TensorFlow continues such a message with (no log prefix of their own).
+_SHUTDOWN_CONTINUATION = re.compile(
+    r"^/job:\w+/replica:\d+/task:\d+$|^The tasks have crashed\. |^Additional GRPC error information from remote"
+    r"|^:UNKNOWN:Error received from peer"
+)
 # A line that reports an error, for the summary's "last error".
 _ERROR_LINE = re.compile(r"Error\b|Exception\b|^Traceback|^[EF]\d{4} |FATAL|Fatal|Killed|Aborted|error:")
 
@@ -139,15 +146,27 @@ def _final_render(text: str) -> tuple[str, bool]:
     return "".join(shown).rstrip(), True
 
 
-def _is_tf_noise(line: str, chief_done: bool) -> bool:
+def _is_tf_noise(line: str, chief_done: bool, finished_ok: frozenset = frozenset()) -> bool:
+    """Whether `line` is TensorFlow start-up noise, or a peer's complaint about a job that has ended.
+
+    A complaint (gRPC UNAVAILABLE, StartAbort, ...) is dropped once the chief
+    has succeeded, or when every task it names has already exited with
+    status 0 (worker 1 finished first; worker 0's coordination service then
+    reports it "stopped sending heartbeats").
+    """
     if _TF_NOISE.match(line):
         return True
     level = _CPP_LOG.match(line)
     if level is None:
         return False
-    if level.group(1) == "I":
+    if level.group(1) == "I" or _TF_NOISE_WE.search(line):
         return True
-    return bool(_TF_NOISE_WE.search(line)) or (chief_done and bool(_SHUTDOWN_NOISE.search(line)))
+    if not _SHUTDOWN_NOISE.search(line):
+        return False
+    if chief_done:
+        return True
+    named = {f"{job}:{index}" for job, index in _TASK_NAME.findall(line)}
+    return bool(named) and named <= finished_ok
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,13 +261,21 @@ def _say(message: str) -> None:
 _print_lock = threading.Lock()
 
 
-def _pump(stream, task: _Task, is_chief: bool, options: _OutputOptions, chief_done: threading.Event) -> None:
+def _pump(
+    stream, task: _Task, is_chief: bool, options: _OutputOptions, chief_done: threading.Event, finished_ok: set
+) -> None:
     prefix = f"[{task.label}]"
     show_progress = is_chief or options.all_progress
+    continuing = False  # the lines after a dropped complaint that continue it
     for raw in iter(stream.readline, b""):
         line, redrawn = _final_render(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
-        if not options.tf_logs and _is_tf_noise(line, chief_done.is_set()):
-            continue
+        if not options.tf_logs:
+            if continuing and _SHUTDOWN_CONTINUATION.search(line):
+                continue
+            continuing = False
+            if _is_tf_noise(line, chief_done.is_set(), frozenset(finished_ok)):
+                continuing = _CPP_LOG.match(line) is not None and _SHUTDOWN_NOISE.search(line) is not None
+                continue
         task.tail.append(line)
         if not show_progress and (redrawn or _EPOCH_HEADER.match(_ANSI.sub("", line))):
             continue
@@ -258,8 +285,10 @@ def _pump(stream, task: _Task, is_chief: bool, options: _OutputOptions, chief_do
     stream.close()
     # Once the chief has succeeded, its peers' complaints that it went away
     # (gRPC UNAVAILABLE, StartAbort, ...) are the end of the job, not errors.
-    if is_chief and task.process.wait() == 0:
-        chief_done.set()
+    if task.process.wait() == 0:
+        finished_ok.add(task.label)
+        if is_chief:
+            chief_done.set()
 
 
 def _die_with_launcher() -> Optional[Callable[[], None]]:
@@ -318,6 +347,7 @@ class _Job:
         self.records: dict[str, _Record] = {}
         self.preexec = _die_with_launcher()
         self.chief_done = threading.Event()
+        self.finished_ok: set[str] = set()  # labels of this attempt's tasks that exited with status 0
         self.display_chief = "chief:0" if chief else "worker:0"
         parent = base_env.get("TMPDIR")
         parent = parent if parent and os.path.isdir(parent) else tempfile.gettempdir()
@@ -354,7 +384,8 @@ class _Job:
         tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
         task = _Task(job, index, process, tail, None, time.monotonic(), tmpdir)  # type: ignore[arg-type]
         task.reader = threading.Thread(
-            target=_pump, args=(process.stdout, task, label == self.display_chief, self.options, self.chief_done),
+            target=_pump, args=(process.stdout, task, label == self.display_chief, self.options, self.chief_done,
+                  self.finished_ok),
             daemon=True,
         )
         task.reader.start()
@@ -406,6 +437,7 @@ class _Job:
             roles.append(("evaluator", 0))
         tasks: list[_Task] = []
         self.chief_done.clear()
+        self.finished_ok.clear()
         begun = time.monotonic()
         # With parameter servers, workers are stateless servers the chief's
         # coordinator reschedules around: a failed one is restarted in place
