@@ -1,6 +1,7 @@
 """tfdist multi_worker against PyTorch DDP: the same jobs at 1 and 2 workers, beside the host's ceiling.
 
     python benchmarks/vs_ddp.py [--quick] [--epochs 4] [--steps 20] [--per-worker-batch 128]
+                                [--models M ...] [--bucket-mib MIB ...]
 
 Weak scaling, as multi-worker jobs run: every worker keeps its batch
 (`--per-worker-batch`, default 128), SGD, synthetic data, on three models:
@@ -19,6 +20,10 @@ the MLPs 64-512-512-10 and 64-2048-2048-2048-10 and a small convnet
   the same number of steps after one untimed epoch. Skipped, with a message,
   when torch is not installed (`pip install -e .[bench]` installs the CPU
   wheel, torch==2.13.0).
+
+`--bucket-mib 1 4 16 64` adds tfdist multi_worker rows with those bucket sizes
+(the step option `bucket_bytes`, default 25 MiB), to tune it for gRPC ring
+collectives.
 
 Throughput is samples/s of the whole job, and
 
@@ -292,6 +297,8 @@ def main() -> None:
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models to run (default all)")
     p.add_argument("--no-sharded", action="store_true", help="leave out the sharded_optimizer rows")
     p.add_argument("--no-compressed", action="store_true", help="leave out the allreduce_dtype='bfloat16' row")
+    p.add_argument("--bucket-mib", type=float, nargs="+", default=[], metavar="MIB",
+                   help="extra tfdist multi_worker rows with bucket_bytes of these sizes (e.g. 1 4 16 64)")
     p.add_argument("--ceiling-seconds", type=float, default=6.0, help="seconds per ceiling run (default 6)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per job (default 600)")
     for hidden in ("--tf-worker", "--ddp-worker", "--matmul-worker"):
@@ -330,6 +337,11 @@ def main() -> None:
         bf16 = {"TFDIST_ALLREDUCE_DTYPE": "bfloat16"}
         frameworks.append(("tfdist multi_worker bfloat16 exchange",
                            lambda m, w: None if w == 1 else run_tfdist("multi_worker", m, w, args, env=bf16)))
+    for mib in args.bucket_mib:
+        # One worker has no all-reduce: its row is multi_worker's 1-worker run.
+        sized = {"TFDIST_BUCKET_BYTES": str(int(mib * 2**20))}
+        frameworks.append((f"tfdist multi_worker, {mib:g} MiB buckets",
+                           lambda m, w, env=sized: None if w == 1 else run_tfdist("multi_worker", m, w, args, env=env)))
     if not args.no_sharded:
         for stage in (1, 2):
             frameworks.append((f"tfdist sharded_optimizer stage {stage}",
