@@ -451,14 +451,17 @@ def test_stage_2_raises_the_step_peak_by_well_under_mirrored_adam_state():
     # 1.12M parameters on 4 logical CPU devices, each run in its own process.
     # TensorFlow's CPU allocator (BFC, which reports a peak) counts the live
     # tensors of all 4 devices. Above mirrored SGD (no optimizer state),
-    # mirrored Adam adds 8 bytes per parameter per device (36 MB); stage 2
+    # mirrored Adam adds 8 bytes per parameter per device (34 MiB); stage 2
     # adds its 1/4 of that plus its buffers: measured 0.35x-0.47x of
     # mirrored's growth (the executor's schedule varies between runs), ZeRO's
-    # accounting 0.25x.
+    # accounting 0.25x. Mirrored's growth was measured 29-36 MiB: the
+    # baseline's own peak moves by a few MiB with the schedule (29.0 MiB in a
+    # CI run on a loaded host), so the check that the measurement sees Adam's
+    # state allows a quarter of it.
     baseline = _allocator_peak("mirrored", 0, "sgd")
     mirrored = _allocator_peak("mirrored", 0, "adam") - baseline
     stage_2 = _allocator_peak("sharded_optimizer", 2, "adam") - baseline
-    assert mirrored > 30 * 2**20
+    assert mirrored > 0.75 * 34 * 2**20
     assert stage_2 < 0.6 * mirrored
 
 
