@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -375,6 +376,40 @@ def test_keras_gradient_accumulation_steps_match_mirrored_and_count_like_keras(s
     assert max_relative_difference(mirrored.get_weights(), model.get_weights()) < 1e-6
     assert int(model.optimizer.iterations.numpy()) == int(mirrored.optimizer.iterations.numpy()) == 5
     assert max_relative_difference(canonical(mirrored)[2:], canonical(model)[2:]) < 1e-6
+
+
+def test_a_custom_training_loop_with_loss_scaling_is_refused_not_silently_different(data10):
+    # Keras's LossScaleOptimizer.apply checks finiteness and calls the inner
+    # optimizer its own way; measured before this refusal: 2 of 10 steps
+    # applied against one device's 7, with the same data. fit (the engine's
+    # step) is the supported path (test above).
+    x, y = data10
+    strategy = sharded(2, precision="mixed_float16")
+    with strategy.scope():
+        model = build_model(optimizer=keras.optimizers.Adam(1e-3))
+    optimizer = model.optimizer
+    optimizer.build(model.trainable_variables)
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x[:32], y[:32])).batch(32))))
+
+    @tf.function
+    def step(data):
+        def replica_fn(d):
+            with tf.GradientTape() as tape:
+                loss = keras.losses.sparse_categorical_crossentropy(d[1], model(d[0], training=True))
+                loss = optimizer.scale_loss(tf.reduce_mean(loss) / strategy.num_replicas_in_sync)
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+        strategy.run(replica_fn, args=(data,))
+
+    with pytest.raises(NotImplementedError) as error:
+        step(batch)
+    # Keras's Cond wraps the message (traceback, bold); the optimizer's name is Keras's unique one.
+    assert re.search(
+        r"A LossScaleOptimizer \(mixed_float16\) over the 'sharded_optimizer' strategy's optimizer "
+        r"'adam(_\d+)?' cannot apply gradients from a custom training loop: .* Train with model\.fit",
+        str(error.value),
+    ), str(error.value)
 
 
 def test_tf_keras_is_refused_with_a_clear_error():

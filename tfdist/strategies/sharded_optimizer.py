@@ -138,7 +138,9 @@ class _ShardedStrategyMixin:
                 f"{len(optimizer.variables)} variables), so it cannot be sharded. Pass a new, "
                 "unbuilt optimizer to model.compile() under the 'sharded_optimizer' strategy."
             )
-        kc.make_sharded_optimizer(optimizer, ShardedState(self, optimizer), loss_scale_optimizer=wrapper)
+        state = ShardedState(self, optimizer)
+        state.under_loss_scale = wrapper is not None
+        kc.make_sharded_optimizer(optimizer, state, loss_scale_optimizer=wrapper)
         if not getattr(model, "_tfdist_load_guarded", False):
             kc.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
             object.__setattr__(model, "_tfdist_load_guarded", True)
@@ -375,6 +377,9 @@ class ShardedState:
         self.decay: list | None = None
         self._checkpoint_children: dict | None = None
         self._gather_functions: dict = {}
+        # Wrapped by a LossScaleOptimizer (mixed_float16): the engine's step
+        # scales and gates; Keras's own loss-scale apply is not supported.
+        self.under_loss_scale = False
 
     # What the sharded optimizer class calls-----------------------------------
     def build(self, variables) -> None:
@@ -789,6 +794,15 @@ class ShardedState:
         model. Keras's own optimizer would clip each replica's gradient before
         summing; here clipping sees the summed gradient, as on one device.
         """
+        if self.under_loss_scale:
+            raise NotImplementedError(
+                f"A LossScaleOptimizer (mixed_float16) over the 'sharded_optimizer' strategy's optimizer "
+                f"{self.optimizer.name!r} cannot apply gradients from a custom training loop: Keras's "
+                "loss-scale update (per-replica finiteness check, then the inner optimizer) does not "
+                "match the sharded update, and its steps would differ from one device's. Train with "
+                "model.fit (tfdist's step scales the loss and skips non-finite steps on every replica), "
+                "or use precision='mixed_bfloat16', which needs no loss scaling."
+            )
         ctx = tf.distribute.get_replica_context()
         if ctx is None or tf.distribute.in_cross_replica_context():
             raise RuntimeError(
