@@ -236,7 +236,7 @@ def all_reduce_sum(values: Sequence, bucket_bytes: int, allreduce_dtype: str = "
     # collective would then wait for the whole backward pass. Handing the
     # buckets over reversed makes them launch in send order, so the exchange of
     # the last layers overlaps the rest of backprop
-    # (tests/engine/test_bucketing.py, test_each_buckets_collective_depends_only_on_its_own_gradients).
+    # (tests/engine/test_bucketing.py, test_each_buckets_collective_waits_only_for_its_own_and_earlier_sent_gradients).
     n = len(plan.buckets)
     reduced = ctx.all_reduce(
         tf.distribute.ReduceOp.SUM, packed[:n][::-1] + packed[n:], options=_ONE_COLLECTIVE_PER_BUFFER

@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist._compat import keras as kc
-from tfdist.engine.step import TrainStep
+from tfdist.engine.step import TrainStep, _scale
 from tfdist.estimator.estimator_spec import EstimatorSpec, check_spec, predictions_as_dict
 from tfdist.estimator.mode_keys import ModeKeys
 from tfdist.estimator.run_config import RunConfig, resolve_strategy
@@ -91,15 +91,6 @@ def _is_parameter_server(strategy) -> bool:
 def _batch_size(features) -> tf.Tensor:
     flat = [t for t in tf.nest.flatten(features) if t is not None]
     return tf.shape(flat[0])[0]
-
-
-def _scale(g, factor):
-    if g is None:
-        return None
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.math.multiply_no_nan(g.values, tf.cast(factor, g.values.dtype)),
-                                g.indices, g.dense_shape)
-    return tf.math.multiply_no_nan(g, tf.cast(factor, g.dtype))
 
 
 def _relaxed_spec(value):

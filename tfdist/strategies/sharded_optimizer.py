@@ -131,15 +131,15 @@ class _ShardedStrategyMixin:
         # Under mixed_float16 Keras wraps the optimizer in a LossScaleOptimizer:
         # the inner one is sharded (its slices read float32 weights: the master
         # copy), the engine's step scales the loss and gates the update.
-        wrapper, optimizer = (optimizer, kc.inner_optimizer(optimizer)) if kc.is_loss_scale_optimizer(optimizer) else (None, optimizer)
+        wrapper = optimizer if kc.is_loss_scale_optimizer(optimizer) else None
+        optimizer = kc.inner_optimizer(optimizer)
         if optimizer.built:
             raise ValueError(
                 f"The optimizer {optimizer.name!r} was already built (it holds full state for "
                 f"{len(optimizer.variables)} variables), so it cannot be sharded. Pass a new, "
                 "unbuilt optimizer to model.compile() under the 'sharded_optimizer' strategy."
             )
-        state = ShardedState(self, optimizer)
-        state.under_loss_scale = wrapper is not None
+        state = ShardedState(self, optimizer, under_loss_scale=wrapper is not None)
         kc.make_sharded_optimizer(optimizer, state, loss_scale_optimizer=wrapper)
         if not getattr(model, "_tfdist_load_guarded", False):
             kc.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
@@ -348,7 +348,6 @@ def canonical_optimizer_layout(optimizer, flat_variable, num_variables: int) -> 
     return entries, slots
 
 
-
 class ShardedState:
     """The sharded side of one Keras optimizer: layout, flat slice variable, canonical state.
 
@@ -366,9 +365,12 @@ class ShardedState:
         variables: the model's trainable variables, in layout order.
     """
 
-    def __init__(self, strategy: ShardedOptimizerStrategy, optimizer):
+    def __init__(self, strategy: ShardedOptimizerStrategy, optimizer, under_loss_scale: bool = False):
         self.strategy = strategy
         self.optimizer = optimizer
+        # Wrapped by a LossScaleOptimizer (mixed_float16): the engine's step
+        # scales and gates; Keras's own loss-scale apply is not supported.
+        self.under_loss_scale = under_loss_scale
         self.layout: FlatLayout | None = None
         self.flat = None
         self.variables: list = []
@@ -377,11 +379,8 @@ class ShardedState:
         self.decay: list | None = None
         self._checkpoint_children: dict | None = None
         self._gather_functions: dict = {}
-        # Wrapped by a LossScaleOptimizer (mixed_float16): the engine's step
-        # scales and gates; Keras's own loss-scale apply is not supported.
-        self.under_loss_scale = False
 
-    # What the sharded optimizer class calls-----------------------------------
+    # What the sharded optimizer class calls ----------------------------------
     def build(self, variables) -> None:
         optimizer = self.optimizer
         if optimizer.built:
