@@ -72,22 +72,23 @@ def data10(digits):
 # Options -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", [0, 3, "2", True])
-def test_stage_other_than_1_or_2_is_refused(stage):
+@pytest.mark.parametrize("stage", [0, 4, "2", True])
+def test_stage_other_than_1_2_or_3_is_refused(stage):
     with pytest.raises(ValueError) as e:
         tfdist.get_strategy("sharded_optimizer", stage=stage)
-    assert str(e.value) == f"Argument 'stage' must be 1 or 2. Received: stage={stage!r}"
+    assert str(e.value) == f"Argument 'stage' must be 1, 2 or 3. Received: stage={stage!r}"
 
 
-def test_presets_build_stage_1_and_2():
+def test_presets_build_stages_1_2_and_3():
     one = tfdist.from_config(os.path.join(REPO, "strategies", "zero1.toml"))
     two = tfdist.from_config(os.path.join(REPO, "strategies", "zero2.toml"))
+    three = tfdist.from_config(os.path.join(REPO, "strategies", "zero3.toml"))
     assert isinstance(one, tfdist.strategies.ShardedOptimizerStrategy)
-    assert (one.stage, two.stage) == (1, 2)
+    assert (one.stage, two.stage, three.stage) == (1, 2, 3)
     assert one.options.bucket_bytes == 26214400
     assert one.num_replicas_in_sync == len(tf.config.list_logical_devices("CPU"))
-    with pytest.raises(tfdist.PresetError, match=r"option 'stage' must be 1 or 2. Received: stage=3"):
-        tfdist.from_config({"strategy": "sharded_optimizer", "stage": 3})
+    with pytest.raises(tfdist.PresetError, match=r"option 'stage' must be 1, 2 or 3. Received: stage=4"):
+        tfdist.from_config({"strategy": "sharded_optimizer", "stage": 4})
 
 
 def test_layout_slices_are_even_and_contiguous():

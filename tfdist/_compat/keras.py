@@ -300,6 +300,9 @@ def variable_parts(variable) -> list:
     return list(v.variables) if is_sharded(v) else [v]
 
 
+_PATCHED_VARIABLE_METHODS = ("numpy", "__array__", "assign_add", "assign_sub", "_serialize_to_tensors")
+
+
 def patch_variables_for_parameter_servers() -> None:
     """Makes Keras variables held on ps tasks readable as arrays and safe to update concurrently.
 
@@ -318,6 +321,13 @@ def patch_variables_for_parameter_servers() -> None:
       4 epochs of 47 steps on 2 workers, and metric totals lose steps alike.
       A variable on a ps task is incremented with TensorFlow's own
       `assign_add`, one atomic op on the ps.
+    * `_serialize_to_tensors` (what `tf.train.Checkpoint` saves) falls back to
+      `{"VARIABLE_VALUE": self.value}` when the wrapped variable does not
+      implement it, and a `ShardedVariable` does not: the saver then fails
+      with "AttributeError: 'ShardedVariable' object has no attribute
+      'device'". A sharded value is saved whole (its shards concatenated),
+      under the key and shape one device saves, so a checkpoint moves
+      between sharded and unsharded models; restoring assigns it (split).
     """
     if "variable_numpy" in _originals:
         return
@@ -326,7 +336,7 @@ def patch_variables_for_parameter_servers() -> None:
     from tensorflow.python.distribute.ps_values import CachingVariable
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-    for name in ("numpy", "__array__", "assign_add", "assign_sub"):
+    for name in _PATCHED_VARIABLE_METHODS:
         _originals[f"variable_{name}"] = getattr(Variable, name)
 
     def on_ps(variable) -> bool:
@@ -354,6 +364,12 @@ def patch_variables_for_parameter_servers() -> None:
             return self._value.assign_sub(tf.cast(value, self._value.dtype))
         return _originals["variable_assign_sub"](self, value)
 
+    def _serialize_to_tensors(self):
+        if is_sharded(self):
+            return {"VARIABLE_VALUE": tf.convert_to_tensor(self._value)}
+        return _originals["variable__serialize_to_tensors"](self)
+
+    Variable._serialize_to_tensors = _serialize_to_tensors
     Variable.numpy = numpy
     Variable.__array__ = __array__
     Variable.assign_add = assign_add
@@ -516,7 +532,7 @@ def unpatch_variables_for_parameter_servers() -> None:
         return
     from keras.src.backend.tensorflow.core import Variable
 
-    for name in ("numpy", "__array__", "assign_add", "assign_sub"):
+    for name in _PATCHED_VARIABLE_METHODS:
         setattr(Variable, name, _originals.pop(f"variable_{name}"))
 
 

@@ -369,3 +369,82 @@ def dataset_inputs(dataset) -> list:
     except NotImplementedError:
         return []
 
+
+
+def shard_trainable_variables(strategy, devices: Sequence[str]) -> None:
+    """Makes `strategy` (a MirroredStrategy) hold each trainable variable as shards over `devices`.
+
+    For the sharded optimizer's stage 3: a trainable floating-point variable
+    of rank >= 1 created in the scope becomes a `ShardedVariable` of
+    `min(len(devices), rows)` parts split along axis 0 (rows as even as
+    they come), part i a plain variable on `devices[i]`; reading it in a
+    replica concatenates the parts there (TensorFlow copies each part to the
+    replica's device), assigning it splits the value. A variable created with
+    `colocate_with` a `ShardedVariable` (Keras's optimizer slots:
+    `add_variable_from_reference` runs inside
+    `extended.colocate_vars_with(variable)`) is split the same way, part i
+    beside part i. Every other variable is created as before (mirrored).
+
+    Private API: `MirroredExtended._create_variable` (the strategy's variable
+    creator) and `_validate_colocate_with_variable`, which accepts only
+    `DistributedVariable`s ("`colocate_vars_with` must only be passed a
+    variable created in this tf.distribute.Strategy.scope()") and so refuses
+    a `ShardedVariable` slot reference. Verified on TensorFlow 2.21.
+    """
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    extended = strategy.extended
+    original = extended._create_variable
+    original_validate = extended._validate_colocate_with_variable
+    devices = list(devices)
+
+    def evaluate(kwargs):
+        initial = kwargs.pop("initial_value")
+        with tf.init_scope():
+            full = initial() if callable(initial) else initial
+            return tf.convert_to_tensor(full, dtype=kwargs.get("dtype"))
+
+    def create_parts(next_creator, kwargs, full, rows_and_devices):
+        name = kwargs.pop("name", None) or "Variable"
+        kwargs.pop("shape", None)
+        parts, offset = [], 0
+        for i, (rows, device) in enumerate(rows_and_devices):
+            with tf.init_scope(), tf.device(device):
+                value = tf.identity(full[offset : offset + rows])
+                part_kwargs = dict(kwargs, initial_value=value, name=f"{name}/part_{i}")
+                parts.append(next_creator(**part_kwargs))
+            offset += rows
+        return ShardedVariable(parts, name=name)
+
+    def create_variable(next_creator, **kwargs):
+        reference = kwargs.pop("colocate_with", None)
+        if isinstance(reference, ShardedVariable):
+            full = evaluate(kwargs)
+            return create_parts(
+                next_creator, kwargs, full, [(int(p.shape[0]), p.device) for p in reference.variables]
+            )
+        if reference is not None:
+            kwargs["colocate_with"] = reference
+        dtype = _creation_dtype(kwargs)
+        if (
+            reference is not None
+            or not kwargs.get("trainable", True)
+            or kwargs.get("synchronization", tf.VariableSynchronization.AUTO) == tf.VariableSynchronization.ON_READ
+            or (dtype is not None and not dtype.is_floating)
+        ):
+            return original(next_creator, **kwargs)
+        full = evaluate(kwargs)
+        if not full.dtype.is_floating or full.shape.rank == 0 or full.shape[0] == 0:
+            return original(next_creator, initial_value=full, **kwargs)
+        rows = int(full.shape[0])
+        count = min(len(devices), rows)
+        split = [rows // count + (1 if i < rows % count else 0) for i in range(count)]
+        return create_parts(next_creator, kwargs, full, list(zip(split, devices)))
+
+    def validate_colocate_with_variable(variable):
+        if isinstance(variable, ShardedVariable):
+            return
+        original_validate(variable)
+
+    extended._create_variable = create_variable
+    extended._validate_colocate_with_variable = validate_colocate_with_variable

@@ -45,6 +45,7 @@ only runs on the last micro-step of each window.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -243,20 +244,27 @@ class TrainStep:
             and not synchronized_layers
             and not embeddings
         )
+        # Parameters held in shards (the sharded optimizer's stage 3): each
+        # replica gathers every variable whole before its forward pass.
+        self.gathers_parameters = self.strategy.gradient_path.gathers_parameters
         if self.whole_step_xla:
             self._compiled_step = tf.function(
                 self._replica_whole_step, jit_compile=True, autograph=False, reduce_retracing=True
             )
 
     # Phase 1 ---------------------------------------------------------------
-    def _forward_backward(self, x, y, sample_weight, weight_factor=None):
+    def _forward_backward(self, x, y, sample_weight, weight_factor=None, sources=None):
         """Loss and gradients of one micro-batch; `weight_factor` (a scalar) multiplies the loss.
 
         The replica's batch weighting rides on the loss, so the backward pass
-        carries it and no pass over the gradients is needed for it.
+        carries it and no pass over the gradients is needed for it. With
+        `sources` (the variables' values, read in a `StatelessScope` that maps
+        each variable to its value), gradients are taken with respect to them.
         """
         model = self.model
         with tf.GradientTape() as tape:
+            if sources is not None:
+                tape.watch(sources)
             y_pred = kc.call_model(model, x, training=True)
             loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=True)
             scaled = self.loss_scale.scale_loss(loss) if self.loss_scale else loss
@@ -264,17 +272,21 @@ class TrainStep:
                 scaled = scaled * self.update_optimizer.loss_scale_factor
             if weight_factor is not None:
                 scaled = scaled * tf.cast(weight_factor, scaled.dtype)
-        return y_pred, loss, self.gradients(tape, scaled)
+        return y_pred, loss, self.gradients(tape, scaled, sources)
 
-    def gradients(self, tape, target) -> list:
+    def gradients(self, tape, target, sources=None) -> list:
         """`target`'s gradient for each of the step's variables, each with its variable's static shape.
 
         A partitioned variable (parameter server) is differentiated shard by
         shard (`gradient_sources`: Keras's tape rejects a whole
-        `ShardedVariable`) and its gradient regrouped.
+        `ShardedVariable`) and its gradient regrouped. With `sources`, one
+        tensor per variable (its value, read whole), the gradient is taken
+        with respect to it.
         """
         variables = self.variables
-        if self.gradient_sources is None:
+        if sources is not None:
+            grads = tape.gradient(target, sources)
+        elif self.gradient_sources is None:
             grads = tape.gradient(target, variables)
         else:
             parts = tape.gradient(target, [p for ps in self.gradient_sources for p in ps])
@@ -284,22 +296,49 @@ class TrainStep:
                 i += len(ps)
         return with_variable_shapes(grads, variables)
 
-    def _stateless_forward_backward(self, x, y, sample_weight, weight_factor=None):
+    def _stateless_forward_backward(self, x, y, sample_weight, weight_factor=None, gathered=None):
         """`_forward_backward` with no variable written: returns the layers' updates instead.
 
         Runs in a `keras.StatelessScope`: assignments made by the forward pass
         are recorded, not executed, and come back as `{index in
         model.variables: new value}`; losses added by layers are collected by
-        the scope and read by `compute_loss` as usual.
+        the scope and read by `compute_loss` as usual. With `gathered` (one
+        value per trainable variable), the layers read those values and the
+        gradients are taken with respect to them.
         """
-        with keras.StatelessScope(collect_losses=True) as scope:
-            y_pred, loss, grads = self._forward_backward(x, y, sample_weight, weight_factor)
+        mapping = None if gathered is None else list(zip(self.variables, gathered))
+        mapped = {id(v) for v in self.variables} if gathered is not None else set()
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            y_pred, loss, grads = self._forward_backward(x, y, sample_weight, weight_factor, sources=gathered)
         updates = {}
         for i, v in enumerate(self.model.variables):
+            if id(v) in mapped:
+                continue
             value = scope.get_current_value(v)
             if value is not None:
                 updates[i] = value
         return y_pred, loss, grads, updates
+
+    def _gathered_forward_backward(self, x, y, sample_weight, weight_factor=None):
+        """Replica context: the forward and backward pass on every trainable variable read whole here.
+
+        Each variable held in shards (`ShardedVariable`) is gathered on this
+        replica's device (its parts concatenated: TensorFlow copies each part
+        over) and the layers read that value (a `keras.StatelessScope`
+        mapping); gradients are taken with respect to the gathered values, so
+        they keep their variable's whole shape, and an Embedding's sparse rows
+        their indices. The layers' own updates (BatchNorm statistics, seeds)
+        are written after, in replica context.
+        """
+        gathered = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
+        context = tfc.xla_compiled_ops() if self.jit_compile else contextlib.nullcontext()
+        with context:
+            y_pred, loss, grads, updates = self._stateless_forward_backward(
+                x, y, sample_weight, weight_factor, gathered=gathered
+            )
+        for i, value in updates.items():
+            self.model.variables[i].assign(value)
+        return y_pred, loss, with_variable_shapes(grads, self.variables)
 
     def _replica_forward_backward(self) -> Callable:
         """This replica's compiled forward and backward pass (one `tf.function` per replica).
@@ -330,7 +369,9 @@ class TrainStep:
         # float16 activations) or a float8 layer reads its output gradient's
         # magnitude (`overwrite_with_gradient`): then on each gradient.
         on_loss = factor if (self.loss_scale is None and not self.overwritten) else None
-        if self.forward_backward_xla:
+        if self.gathers_parameters:
+            y_pred, loss, grads = self._gathered_forward_backward(x, y, sample_weight, on_loss)
+        elif self.forward_backward_xla:
             y_pred, loss, grads, updates = self._replica_forward_backward()(x, y, sample_weight, on_loss)
             # The layers' state updates (BatchNorm's moving statistics, dropout
             # seeds), recorded inside the compiled function, are written here,
@@ -481,6 +522,9 @@ class GradientPath:
             every variable, so a replica's forward and backward pass compiles
             as one XLA program (which cannot read a variable on another
             device). Default True.
+        gathers_parameters: bool. Variables are held in shards across the
+            replicas' devices; each replica gathers them whole before its
+            forward pass (`TrainStep._gathered_forward_backward`). Default False.
     """
 
     name: str
@@ -488,6 +532,7 @@ class GradientPath:
     placement: Callable[[Any], update.Placement] = update.EveryCopy
     local_with_one_replica: bool = False
     variables_on_replicas: bool = True
+    gathers_parameters: bool = False
 
     def __call__(self, step, data) -> None:
         self.run(step, data)

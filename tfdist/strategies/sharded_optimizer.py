@@ -65,12 +65,13 @@ STAGE = options_lib.Option(
     name="stage",
     default=1,
     types=(int,),
-    expected="1 or 2",
+    expected="1, 2 or 3",
     doc=(
         "ZeRO stage: 1 shards the optimizer state; 2 also reduce-scatters the "
-        "gradients so each replica keeps only its slice."
+        "gradients so each replica keeps only its slice; 3 also shards the "
+        "parameters (one host)."
     ),
-    check=lambda v: v in (1, 2),
+    check=lambda v: v in (1, 2, 3),
 )
 
 # Optimizers whose update needs whole-tensor quantities a slice does not have.
@@ -98,6 +99,8 @@ class _ShardedStrategyMixin:
 
     def unsupported(self, feature: str, model=None) -> str | None:
         dtype = self.options.allreduce_dtype
+        if self.stage == 3:
+            return self._unsupported_at_stage_3(feature, model)
         if feature == "step_options" and dtype != "float32" and self.stage == 2:
             return (
                 f"allreduce_dtype={dtype!r} is not used by the 'sharded_optimizer' strategy at stage=2: "
@@ -121,10 +124,44 @@ class _ShardedStrategyMixin:
             )
         return None
 
+    def _unsupported_at_stage_3(self, feature: str, model=None) -> str | None:
+        if feature == "step_options" and self.options.allreduce_dtype != "float32":
+            return (
+                f"allreduce_dtype={self.options.allreduce_dtype!r} is not used by the 'sharded_optimizer' "
+                "strategy at stage=3: each shard's gradient is summed onto the shard's device in float32, "
+                "with no all-reduce to compress. Use stage=1, or leave allreduce_dtype='float32'."
+            )
+        if feature in ("custom_train_step", "keras_accumulation", "estimator"):
+            what = {
+                "custom_train_step": "a model that overrides train_step",
+                "keras_accumulation": "Keras's Optimizer(gradient_accumulation_steps=k)",
+                "estimator": "tfdist.estimator",
+            }[feature]
+            return (
+                f"{what} is not supported by the 'sharded_optimizer' strategy at stage=3 yet. Use "
+                "stage=2 (parameters replicated, gradients and optimizer state sharded)"
+                + (", or the accumulation_steps option." if feature == "keras_accumulation" else ".")
+            )
+        if feature == "optimizer":
+            overwritten = [v for v in model.trainable_variables if kc.overwrites_with_gradient(model.optimizer, v)]
+            if overwritten:
+                return (
+                    f"The 'sharded_optimizer' strategy at stage=3 does not train {overwritten[0].path!r}: a "
+                    "float8 layer's scales take their gradient as their value. Train float8 models under "
+                    "mirrored."
+                )
+        return None
+
     def on_compile(self, model) -> None:
         """Makes the compiled optimizer build and save sharded state (after validation)."""
         optimizer = model.optimizer
         if optimizer is None:
+            return
+        if self.stage == 3:
+            # The optimizer is the user's, unchanged; its slots are created
+            # beside each parameter shard (`tfc.shard_trainable_variables`).
+            # A failed load leaves the model and optimizer as they were.
+            kc.guard_load_weights(model, lambda: _snapshot_whole(model), lambda saved: _restore_whole(model, saved))
             return
         if kc.sharded_state(optimizer) is not None:
             return
@@ -221,6 +258,11 @@ class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclas
             options.pop(name, None)
         super().__init__(devices=devices, stage=stage, **options)
         self.stage = stage
+        if stage == 3:
+            # Parameters and optimizer state in shards over the replicas' devices.
+            tfc.shard_trainable_variables(self, self.extended.worker_devices)
+            kc.patch_variables_for_parameter_servers()
+            self.gradient_path = SHARDED_PARAMETERS
         tfc.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
 
     @classmethod
@@ -258,6 +300,12 @@ class MultiWorkerShardedOptimizerStrategy(_ShardedStrategyMixin, MultiWorkerMirr
 
     def __init__(self, stage: int = 1, **kwargs):
         _check_stage(stage)
+        if stage == 3:
+            raise ValueError(
+                "The 'sharded_optimizer' strategy runs stage=3 on the devices of one host; across the "
+                "workers of a job (TF_CONFIG, cluster or cluster_resolver) use stage=2, which shards "
+                "the gradients and optimizer state. Received: stage=3 with a cluster of several workers"
+            )
         super().__init__(stage=stage, **kwargs)
         self.stage = stage
         tfc.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
@@ -268,8 +316,8 @@ class MultiWorkerShardedOptimizerStrategy(_ShardedStrategyMixin, MultiWorkerMirr
 
 
 def _check_stage(stage) -> None:
-    if isinstance(stage, bool) or stage not in (1, 2):
-        raise options_lib.OptionError(f"Argument 'stage' must be 1 or 2. Received: stage={stage!r}")
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise options_lib.OptionError(f"Argument 'stage' must be 1, 2 or 3. Received: stage={stage!r}")
 
 
 # The multi-worker strategy's own arguments: any of them selects the multi-worker variant.
@@ -300,6 +348,23 @@ def _restore(model, saved: tuple) -> None:
         v.assign(value)
     if values is not None:
         state.load_canonical_values(values)
+
+
+def _snapshot_whole(model) -> tuple:
+    """Host copies of the model's weights and its optimizer's variables (stage 3: whole, read from shards)."""
+    optimizer_variables = list(model.optimizer.variables) if model.optimizer is not None else []
+    return (
+        [np.array(v.numpy()) for v in model.weights],
+        [(v, np.array(v.numpy())) for v in optimizer_variables],
+    )
+
+
+def _restore_whole(model, saved: tuple) -> None:
+    weights, optimizer_values = saved
+    for v, value in zip(model.weights, weights):
+        v.assign(value)
+    for v, value in optimizer_values:
+        v.assign(value)
 
 
 def canonical_optimizer_layout(optimizer, flat_variable, num_variables: int) -> list:
@@ -915,3 +980,81 @@ def sharded_optimizer_path(step, data) -> None:
     grads = step.strategy.run(replica_fn, args=(data,))
     step.apply(grads, update_fn=state.apply_reduced)
 
+
+
+class _ShardsInPlace(update.Placement):
+    """Stage 3's update placement: a sharded variable where its parts live, any other on every copy."""
+
+    def __init__(self, strategy):
+        self.every_copy = update.EveryCopy(strategy)
+
+    def run(self, variable, fn, *args) -> None:
+        if kc.is_sharded(variable):
+            fn(kc.tf_variable(variable), *args)
+        else:
+            self.every_copy.run(variable, fn, *args)
+
+
+@tf.autograph.experimental.do_not_convert
+def _sum_onto_parts(grads: list, variable, shared_rows: bool = False):
+    """The replicas' gradients of `variable` summed, each part's rows on that part's device.
+
+    A reduce-scatter over the parameter shards: part i's rows of every
+    replica's gradient are copied to part i's device and added there.
+    Sparse gradients (Embedding rows) are concatenated, as one device sees
+    them, except rows that are the same on every replica (`shared_rows`, a
+    position embedding: `collectives.rows_shared_by_replicas`), whose values
+    are summed. Returns one gradient for the whole variable.
+    """
+    if grads[0] is None:
+        return None
+    if shared_rows and len(grads) > 1:
+        return tf.IndexedSlices(tf.add_n([g.values for g in grads]), grads[0].indices, grads[0].dense_shape)
+    if any(isinstance(g, tf.IndexedSlices) for g in grads):
+        slices = [g if isinstance(g, tf.IndexedSlices) else tf.IndexedSlices(g, tf.range(tf.shape(g)[0])) for g in grads]
+        return tf.IndexedSlices(
+            tf.concat([g.values for g in slices], 0),
+            tf.concat([tf.cast(g.indices, tf.int64) for g in slices], 0),
+            slices[0].dense_shape,
+        )
+    if len(grads) == 1:
+        return grads[0]
+    if not kc.is_sharded(variable):
+        return tf.add_n(list(grads))
+    pieces, offset = [], 0
+    for part in kc.variable_parts(variable):
+        rows = int(part.shape[0])
+        with tf.device(part.device):
+            pieces.append(tf.add_n([g[offset:offset + rows] for g in grads]))
+        offset += rows
+    return tf.concat(pieces, axis=0)
+
+
+def sharded_parameters_path(step, data) -> None:
+    """Stage 3's gradient path: per-shard sums of the replicas' gradients, each shard updated where it lives."""
+    strategy = step.strategy
+    shared = set()
+
+    def replica_fn(batch):
+        values = step.local_gradients(batch)
+        for i, g in enumerate(values[:-1]):
+            if isinstance(g, tf.IndexedSlices) and collectives.rows_shared_by_replicas(g):
+                shared.add(i)
+        return values
+
+    per_replica = strategy.run(replica_fn, args=(data,))
+    local = [None if v is None else strategy.experimental_local_results(v) for v in per_replica]
+    summed = [
+        None if g is None else _sum_onto_parts(list(g), v, i in shared)
+        for i, (g, v) in enumerate(zip(local[:-1], step.variables))
+    ]
+    summed.append(tf.add_n(list(local[-1])))
+    step.apply(step.finish(summed))
+
+
+# Stage 3: parameters are shards on the replicas' devices (read whole in each replica), so a
+# replica's forward pass cannot compile as one XLA program holding them.
+SHARDED_PARAMETERS = GradientPath(
+    "sharded_parameters", sharded_parameters_path, _ShardsInPlace, variables_on_replicas=False,
+    gathers_parameters=True,
+)

@@ -1,0 +1,245 @@
+"""The sharded optimizer's stage 3 (issue 17): parameters and optimizer state in shards over the replicas' devices."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.conftest import DEVICES, build_model, max_relative_difference
+from tfdist._compat import keras as kc
+
+# Weights agree to float32 round-off: each shard's sum runs in another order.
+PARITY_RTOL = 1e-5
+
+
+def stage_3(n, **options):
+    return tfdist.get_strategy("sharded_optimizer", stage=3, devices=DEVICES[n], **options)
+
+
+def train(strategy, optimizer_fn, x, y, kind="sequential", epochs=1, model_fn=None, **fit_kwargs):
+    """Builds, compiles (in `strategy`'s scope, or on one device for None) and fits a model."""
+    model_fn = model_fn or (lambda: build_model(kind, optimizer=optimizer_fn()))
+    if strategy is None:
+        model = model_fn()
+    else:
+        with strategy.scope():
+            model = model_fn()
+    model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs)
+    return model
+
+
+def optimizer_state(model) -> list:
+    return [np.asarray(v.numpy()) for v in model.optimizer.variables]
+
+
+def adam():
+    return keras.optimizers.Adam(1e-3)
+
+
+@pytest.fixture(scope="module")
+def data50(digits):
+    x, y = digits
+    return x[:1600], y[:1600]  # 50 steps of 32
+
+
+@pytest.fixture(scope="module")
+def data10(digits):
+    x, y = digits
+    return x[:320], y[:320]  # 10 steps of 32
+
+
+def test_each_device_holds_its_rows_of_every_parameter_and_of_its_adam_state():
+    # 3 replicas: 64, 32 and 10 rows split 22/21/21, 11/11/10, 4/3/3.
+    with stage_3(3).scope():
+        model = build_model(optimizer=adam())
+        model.optimizer.build(model.trainable_variables)
+    devices = [tf.DeviceSpec.from_string(d).to_string() for d in DEVICES[3]]
+    for v in model.trainable_variables:
+        parts = kc.variable_parts(v)
+        rows = int(v.shape[0])
+        assert [int(p.shape[0]) for p in parts] == [rows // 3 + (i < rows % 3) for i in range(3)]
+        assert [tf.DeviceSpec.from_string(p.device).replace(job=None, replica=None, task=None).to_string()
+                for p in parts] == devices
+    slots = [v for v in model.optimizer.variables if kc.is_sharded(v)]
+    assert len(slots) == 2 * len(model.trainable_variables)  # Adam's two moments of each
+    for slot, v in zip(slots, [w for w in model.trainable_variables for _ in range(2)]):
+        assert [(p.shape, p.device) for p in kc.variable_parts(slot)] == [
+            (p.shape, p.device) for p in kc.variable_parts(v)
+        ]
+    report = tfdist.memory_report(model)
+    total = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert total == 64 * 32 + 32 + 32 * 10 + 10
+    scalars = 8 + 4  # iteration (int64) and learning rate (float32), on every replica
+    weights = [entry["weights"] for entry in report.values()]
+    state = [entry["optimizer_state"] - scalars for entry in report.values()]
+    assert sum(weights) == 4 * total and sum(state) == 8 * total
+    # Each device: its 1/3 of the rows of every variable, weights and Adam's two moments.
+    assert max(weights) - min(weights) <= 4 * (32 + 10 + 1 + 1)
+    assert max(state) == 2 * max(weights)
+
+
+def test_weights_and_adam_state_match_mirrored_after_50_steps(data50):
+    x, y = data50
+    reference = train(tfdist.get_strategy("mirrored", devices=DEVICES[4]), adam, x, y)
+    model = train(stage_3(4), adam, x, y)
+    assert model.optimizer.iterations.numpy() == 50
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < PARITY_RTOL
+    assert max_relative_difference(optimizer_state(reference), optimizer_state(model)) < PARITY_RTOL
+
+
+@pytest.mark.parametrize(
+    "optimizer_fn",
+    [
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.5),
+        lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.05),
+        # Whole-tensor optimizers train too: each variable is updated whole.
+        lambda: keras.optimizers.Lamb(1e-3),
+    ],
+    ids=["sgd_global_clipnorm", "adamw", "lamb"],
+)
+def test_other_optimizers_match_one_device(optimizer_fn, data10):
+    x, y = data10
+    reference = train(None, optimizer_fn, x, y)
+    model = train(stage_3(2), optimizer_fn, x, y)
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < PARITY_RTOL
+    assert max_relative_difference(optimizer_state(reference), optimizer_state(model)) < PARITY_RTOL
+
+
+def _embedding_model(optimizer):
+    keras.utils.set_random_seed(5)
+    tokens = keras.Input((6,), dtype="int32")
+    embedded = keras.layers.Embedding(30, 8)(tokens)
+    # A position embedding: the same rows on every replica, summed across them.
+    positions = keras.layers.Embedding(6, 8)(keras.ops.arange(6))
+    pooled = keras.layers.GlobalAveragePooling1D()(embedded + positions)
+    model = keras.Model(tokens, keras.layers.Dense(2)(pooled))
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_embedding_rows_update_as_adam_does_on_one_device():
+    # On one device Keras applies Adam to each looked-up row before duplicate
+    # rows are summed; the replicas' rows are concatenated (token ids) or
+    # summed (positions), so the update is one device's.
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 30, size=(96, 6)).astype("int32")
+    y = (x.sum(axis=1) % 2).astype("int32")
+    reference = _embedding_model(keras.optimizers.Adam(1e-2))
+    reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    with stage_3(3).scope():
+        model = _embedding_model(keras.optimizers.Adam(1e-2))
+    assert kc.is_sharded(model.layers[1].embeddings)
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < PARITY_RTOL
+    assert max_relative_difference(optimizer_state(reference), optimizer_state(model)) < PARITY_RTOL
+
+
+def test_keras_file_moves_from_stage_3_to_one_device_and_to_mirrored(tmp_path, data10):
+    x, y = data10
+    model = train(stage_3(4), adam, x, y)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    single = keras.models.load_model(path)
+    assert max_relative_difference(model.get_weights(), single.get_weights()) == 0.0
+    assert max_relative_difference(optimizer_state(model), optimizer_state(single)) == 0.0
+    with tfdist.get_strategy("mirrored", devices=DEVICES[2]).scope():
+        mirrored = keras.models.load_model(path)
+    with stage_3(3).scope():
+        resharded = keras.models.load_model(path)
+    assert [len(kc.variable_parts(v)) for v in resharded.trainable_variables] == [3, 3, 3, 3]
+    assert max_relative_difference(optimizer_state(model), optimizer_state(resharded)) == 0.0
+    # Training continues identically on one device, under mirrored and on 3 shards.
+    for m in (single, mirrored, resharded):
+        m.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert resharded.optimizer.iterations.numpy() == 20
+    assert max_relative_difference(single.get_weights(), resharded.get_weights()) < PARITY_RTOL
+    assert max_relative_difference(mirrored.get_weights(), resharded.get_weights()) < PARITY_RTOL
+
+
+def test_tf_train_checkpoint_keys_are_one_devices_both_ways(tmp_path, data10):
+    x, y = data10
+    model = train(stage_3(4), adam, x, y)
+    written = tf.train.Checkpoint(model=model).write(str(tmp_path / "stage3"))
+    single = train(None, adam, x[:32], y[:32])
+    single_path = tf.train.Checkpoint(model=single).write(str(tmp_path / "single"))
+    single_state, single_weights = optimizer_state(single), single.get_weights()
+    # Same keys and (whole) shapes as a single-device checkpoint.
+    assert tf.train.list_variables(written) == tf.train.list_variables(single_path)
+    tf.train.Checkpoint(model=single).read(written).assert_consumed()
+    assert max_relative_difference(model.get_weights(), single.get_weights()) == 0.0
+    assert max_relative_difference(optimizer_state(model), optimizer_state(single)) == 0.0
+    with stage_3(2).scope():
+        other = build_model(optimizer=adam())
+        other.optimizer.build(other.trainable_variables)
+    tf.train.Checkpoint(model=other).read(single_path).assert_consumed()
+    assert other.optimizer.iterations.numpy() == 1
+    assert max_relative_difference(single_state, optimizer_state(other)) == 0.0
+    assert max_relative_difference(single_weights, other.get_weights()) == 0.0
+
+
+def test_backup_and_restore_resumes_stage_3_under_mirrored(tmp_path, data10):
+    x, y = data10
+    backup = str(tmp_path / "backup")
+
+    class StopAfterFirstEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                raise RuntimeError("interrupted")
+
+    with stage_3(4).scope():
+        model = build_model(optimizer=adam())
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup), StopAfterFirstEpoch()])
+    with tfdist.get_strategy("mirrored", devices=DEVICES[2]).scope():
+        resumed = build_model(optimizer=adam())
+    history = resumed.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                          callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    assert len(history.epoch) == 1 and resumed.optimizer.iterations.numpy() == 20
+    reference = train(None, adam, x, y, epochs=2)
+    assert max_relative_difference(reference.get_weights(), resumed.get_weights()) < PARITY_RTOL
+
+
+def test_a_failed_load_leaves_the_stage_3_model_untouched(tmp_path, data10):
+    x, y = data10
+    with stage_3(2).scope():
+        model = build_model(optimizer=adam())
+        model.optimizer.build(model.trainable_variables)
+    # Another model: the same first layer, a last layer of 12 units. Keras
+    # loads the first layer, then raises for the second.
+    keras.utils.set_random_seed(1)
+    other = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32), keras.layers.Dense(12)])
+    path = str(tmp_path / "other.weights.h5")
+    other.save_weights(path)
+    weights, state = model.get_weights(), optimizer_state(model)
+    with pytest.raises(ValueError, match=r"variable.shape=\(32, 10\), Received: value.shape=\(32, 12\)"):
+        model.load_weights(path)
+    assert max_relative_difference(weights, model.get_weights()) == 0.0
+    assert max_relative_difference(state, optimizer_state(model)) == 0.0
+
+
+def test_stage_3_across_workers_is_refused_naming_stage_2():
+    with pytest.raises(ValueError) as e:
+        tfdist.get_strategy(
+            "sharded_optimizer", stage=3,
+            cluster={"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}},
+        )
+    assert str(e.value) == (
+        "The 'sharded_optimizer' strategy runs stage=3 on the devices of one host; across the workers of "
+        "a job (TF_CONFIG, cluster or cluster_resolver) use stage=2, which shards the gradients and "
+        "optimizer state. Received: stage=3 with a cluster of several workers"
+    )
+
+
+def test_models_outside_the_strategy_keep_whole_variables():
+    with stage_3(2).scope():
+        build_model(optimizer=adam())
+    plain = build_model(optimizer=adam())
+    assert not any(kc.is_sharded(v) for v in plain.weights)
+    mirrored = tfdist.get_strategy("mirrored", devices=DEVICES[2])
+    with mirrored.scope():
+        model = build_model(optimizer=adam())
+    assert not any(kc.is_sharded(v) for v in model.weights)
