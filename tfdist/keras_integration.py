@@ -205,6 +205,9 @@ def install() -> None:
     if not _hooks_registered:
         add_creation_hook("multi_worker", lambda strategy: redirect_non_chief_writes_in_fit())
         add_creation_hook("parameter_server", lambda strategy: install_parameter_server_fit())
+        # Stage 3 holds trainable variables in shards: a custom train_step's
+        # tape and a custom loop's optimizer must take them.
+        add_creation_hook("sharded_parameters", lambda strategy: patch_training_of_sharded_variables())
         _hooks_registered.append(True)
     _installed = True
 
@@ -494,6 +497,17 @@ def _apply_to_shards(optimizer, grads: list, trainable_variables) -> None:
 
     if len(grads) == 0:
         return
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and not tf.distribute.in_cross_replica_context() and ctx.num_replicas_in_sync > 1:
+        # The sharded optimizer's stage 3: each replica holds its own gradients,
+        # and an update per replica would apply N partial steps.
+        raise NotImplementedError(
+            f"optimizer.apply() of {optimizer.name!r} was called in a replica of "
+            f"{ctx.num_replicas_in_sync} on variables held in shards (the 'sharded_optimizer' strategy at "
+            "stage=3): a custom training loop would update them once per replica with that replica's "
+            "gradients. Train with model.fit (a custom train_step works: its optimizer.apply goes through "
+            "tfdist's step), or use stage=2 for a custom training loop."
+        )
     if trainable_variables is None:
         if len(grads) != len(kc.optimizer_trainable_variables(optimizer)):
             raise ValueError(

@@ -34,7 +34,8 @@ def memory_report(model) -> dict[str, dict[str, int]]:
 
     Every variable is counted where it lives: each replica's copy of a
     mirrored variable on its device, each slice of a sharded optimizer's state
-    on its replica's device, a parameter-server variable on its task. Kinds:
+    on its replica's device, each part of a sharded variable (stage 3, or a
+    partitioned parameter-server variable) on its device or task. Kinds:
 
     * `weights`: the model's variables (trainable and not).
     * `optimizer_state`: the optimizer's variables (slots, iteration count,
@@ -47,7 +48,10 @@ def memory_report(model) -> dict[str, dict[str, int]]:
       the whole gradient under all-reduce (mirrored, sharded stage 1), the
       summed gradient on the parameter device under central storage; under
       sharded stage 2, the replica's gradient slice plus the two buckets of
-      the reduce-scatter that can be alive at once. Transient, not variables.
+      the reduce-scatter that can be alive at once; under stage 3, each
+      parameter part's summed gradient on the part's device (each replica's
+      local gradients and gathered weights, whole for the forward and
+      backward pass, are not counted). Transient, not variables.
     * `peak`: measured, not counted: the most bytes TensorFlow's allocator
       has held on the device (`tf.config.experimental.get_memory_info`) since
       the process started or `tf.config.experimental.reset_memory_stats`, on

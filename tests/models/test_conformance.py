@@ -91,13 +91,6 @@ OPTIONS = {
 
 # (model, option): the exact refusal, under every strategy. Every cell trains today.
 EXPECTED_REFUSALS: dict = {}
-# (model, strategy): the exact refusal, with every option.
-STRATEGY_REFUSALS: dict = {
-    ("custom_step", "sharded_optimizer stage 3"): (
-        "a model that overrides train_step is not supported by the 'sharded_optimizer' strategy at "
-        "stage=3 yet. Use stage=2 (parameters replicated, gradients and optimizer state sharded)."
-    ),
-}
 
 MODELS = list(ZOO)
 STRATEGY_NAMES = list(STRATEGIES)
@@ -332,7 +325,7 @@ def _cell_param(model, strategy, option):
 @pytest.mark.parametrize(("model_name", "strategy_name", "option_name"), [_cell_param(*c) for c in PLAN])
 def test_zoo_model_trains_like_one_device_or_refuses_by_name(model_name, strategy_name, option_name):
     result = train_cell(model_name, strategy_name, option_name)
-    refusal = EXPECTED_REFUSALS.get((model_name, option_name)) or STRATEGY_REFUSALS.get((model_name, strategy_name))
+    refusal = EXPECTED_REFUSALS.get((model_name, option_name))
     if refusal is not None:
         assert (result.status, result.detail) == ("refused", refusal)
     else:

@@ -762,7 +762,9 @@ def test_tf_config_with_several_workers_selects_the_multi_worker_variant_and_val
         r"'devices_per_worker'. Received: devices=\['/cpu:0'\] with a cluster of several workers"
     )):
         tfdist.get_strategy("sharded_optimizer", devices=["/cpu:0"])
-    with pytest.raises(ValueError, match=r"Argument 'stage' must be 1 or 2. Received: stage=3"):
+    with pytest.raises(ValueError, match=r"Argument 'stage' must be 1, 2 or 3. Received: stage=4"):
+        tfdist.get_strategy("sharded_optimizer", stage=4)
+    with pytest.raises(ValueError, match=r"runs stage=3 on the devices of one host; across the workers"):
         tfdist.get_strategy("sharded_optimizer", stage=3)
     monkeypatch.setenv("TF_CONFIG", workers % 5)
     with pytest.raises(ClusterConfigError, match=(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -243,3 +245,148 @@ def test_models_outside_the_strategy_keep_whole_variables():
     with mirrored.scope():
         model = build_model(optimizer=adam())
     assert not any(kc.is_sharded(v) for v in model.weights)
+
+
+_FIT_CHILD = """
+import json, sys
+import tfdist
+tfdist.configure_local_devices(4)
+import keras, numpy as np, tensorflow as tf
+stage = int(sys.argv[1])
+strategy = tfdist.get_strategy("sharded_optimizer", stage=3) if stage else tfdist.get_strategy("mirrored")
+x = np.random.default_rng(0).standard_normal((128, 64)).astype("float32")
+y = (np.arange(128) % 10).astype("int32")
+with strategy.scope():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,))] + [keras.layers.Dense(1024, activation="relu") for _ in range(3)]
+                             + [keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+try:
+    history = model.fit(x, y, batch_size=64, verbose=0)
+    print(json.dumps({"peak": tf.config.experimental.get_memory_info("CPU:0")["peak"],
+                      "loss": history.history["loss"][-1]}))
+except tf.errors.ResourceExhaustedError as e:
+    print(json.dumps({"out_of_memory": type(e).__name__}))
+"""
+
+# TensorFlow's CPU allocator, made a BFC allocator with a hard limit: an
+# allocation past it fails with ResourceExhaustedError, as on a GPU.
+MEMORY_LIMIT_MIB = 144
+
+
+def _fit_in_budget(stage: int, limit_mib: int | None) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if limit_mib is not None:
+        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(limit_mib)
+    out = subprocess.run([sys.executable, "-c", _FIT_CHILD, str(stage)], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_model_mirrored_cannot_hold_trains_at_stage_3_within_the_same_memory():
+    # A 3 x 1024 MLP (2.17M parameters, 8.3 MiB of float32) with Adam on 4
+    # logical CPU devices whose allocator may hold 144 MiB: mirrored keeps 4
+    # copies of the weights and of Adam's two moments (100 MiB) plus each
+    # replica's gradients and activations, and runs out (its unconstrained
+    # peak was measured at 180 MiB); stage 3 keeps one copy of each, in
+    # parts, and trains the same step (peak measured 107 MiB).
+    unconstrained = _fit_in_budget(0, None)
+    assert unconstrained["peak"] > MEMORY_LIMIT_MIB * 2**20
+    assert _fit_in_budget(0, MEMORY_LIMIT_MIB) == {"out_of_memory": "ResourceExhaustedError"}
+    fitted = _fit_in_budget(3, MEMORY_LIMIT_MIB)
+    assert fitted["peak"] <= MEMORY_LIMIT_MIB * 2**20
+    assert abs(fitted["loss"] - unconstrained["loss"]) <= 1e-5 * abs(unconstrained["loss"])
+
+
+@pytest.mark.parametrize(
+    "options,optimizer_fn",
+    [
+        ({"precision": "mixed_float16"}, adam),
+        ({}, lambda: keras.optimizers.Adam(1e-3, gradient_accumulation_steps=2)),
+    ],
+    ids=["mixed_float16", "keras_gradient_accumulation"],
+)
+def test_loss_scaling_and_keras_accumulation_match_mirrored(options, optimizer_fn, data10):
+    x, y = data10
+    reference = train(tfdist.get_strategy("mirrored", devices=DEVICES[2], **options), optimizer_fn, x, y)
+    model = train(stage_3(2, **options), optimizer_fn, x, y)
+    assert model.optimizer.iterations.numpy() == reference.optimizer.iterations.numpy()
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < PARITY_RTOL
+    assert max_relative_difference(optimizer_state(reference), optimizer_state(model)) < PARITY_RTOL
+
+
+class OwnStepModel(keras.Model):
+    """A digits classifier with its own `train_step` (tape, `optimizer.apply`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(32, activation="relu")
+        self.out = keras.layers.Dense(10)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=True))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
+def _own_step_model():
+    keras.utils.set_random_seed(0)
+    model = OwnStepModel()
+    model(np.zeros((1, 64), np.float32))
+    model.compile(optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_custom_train_step_trains_the_shards_like_one_device(data10):
+    x, y = data10
+    reference = _own_step_model()
+    reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    with stage_3(4).scope():
+        model = _own_step_model()
+    assert all(kc.is_sharded(v) for v in model.trainable_variables)
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < PARITY_RTOL
+    assert max_relative_difference(optimizer_state(reference), optimizer_state(model)) < PARITY_RTOL
+
+
+def test_custom_training_loop_applying_per_replica_is_refused(data10):
+    x, y = data10
+    strategy = stage_3(2)
+    with strategy.scope():
+        model = build_model(optimizer=adam())
+        model.optimizer.build(model.trainable_variables)
+    weights = model.get_weights()
+
+    @tf.function
+    def step(xb, yb):
+        def replica_fn():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model.loss(yb, model(xb, training=True)))
+            model.optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+        strategy.run(replica_fn)
+
+    message = (
+        f"optimizer.apply() of {model.optimizer.name!r} was called in a replica of 2 on variables held in "
+        "shards (the 'sharded_optimizer' strategy at stage=3): a custom training loop would update them "
+        "once per replica with that replica's gradients. Train with model.fit (a custom train_step works: "
+        "its optimizer.apply goes through tfdist's step), or use stage=2 for a custom training loop."
+    )
+    # tf.function adds the user's frame ("in user code: ...") before the message.
+    with pytest.raises(NotImplementedError, match=re.escape(message) + "$"):
+        step(x[:32], y[:32])
+    assert max_relative_difference(weights, model.get_weights()) == 0.0

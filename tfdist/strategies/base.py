@@ -141,7 +141,9 @@ class TfdistStrategy:
 # Hooks the integration layer (`tfdist.keras_integration`) registers, run when a
 # strategy of a kind is constructed, so that strategies never import the layer
 # above them: "multi_worker" (chief-only callback writes in `fit`) and
-# "parameter_server" (tfdist's fit/evaluate/predict for ClusterCoordinator jobs).
+# "parameter_server" (tfdist's fit/evaluate/predict for ClusterCoordinator jobs),
+# "sharded_parameters" (the sharded optimizer's stage 3: tapes and optimizers that
+# take variables held in shards, for custom train steps and loops).
 _CREATION_HOOKS: dict[str, list[Callable[[Any], None]]] = {}
 
 

@@ -58,6 +58,7 @@ from tfdist.sharding import (
     gather_shard_slices,
     has_sparse,
 )
+from tfdist.strategies.base import run_creation_hooks
 from tfdist.strategies.mirrored import MirroredStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
@@ -99,7 +100,7 @@ class _ShardedStrategyMixin:
 
     def unsupported(self, feature: str, model=None) -> str | None:
         dtype = self.options.allreduce_dtype
-        if self.stage == 3:
+        if self.stage == 3 and feature != "estimator":
             return self._unsupported_at_stage_3(feature, model)
         if feature == "step_options" and dtype != "float32" and self.stage == 2:
             return (
@@ -130,17 +131,6 @@ class _ShardedStrategyMixin:
                 f"allreduce_dtype={self.options.allreduce_dtype!r} is not used by the 'sharded_optimizer' "
                 "strategy at stage=3: each shard's gradient is summed onto the shard's device in float32, "
                 "with no all-reduce to compress. Use stage=1, or leave allreduce_dtype='float32'."
-            )
-        if feature in ("custom_train_step", "keras_accumulation", "estimator"):
-            what = {
-                "custom_train_step": "a model that overrides train_step",
-                "keras_accumulation": "Keras's Optimizer(gradient_accumulation_steps=k)",
-                "estimator": "tfdist.estimator",
-            }[feature]
-            return (
-                f"{what} is not supported by the 'sharded_optimizer' strategy at stage=3 yet. Use "
-                "stage=2 (parameters replicated, gradients and optimizer state sharded)"
-                + (", or the accumulation_steps option." if feature == "keras_accumulation" else ".")
             )
         if feature == "optimizer":
             overwritten = [v for v in model.trainable_variables if kc.overwrites_with_gradient(model.optimizer, v)]
@@ -263,6 +253,7 @@ class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclas
             tfc.shard_trainable_variables(self, self.extended.worker_devices)
             kc.patch_variables_for_parameter_servers()
             self.gradient_path = SHARDED_PARAMETERS
+            run_creation_hooks("sharded_parameters", self)
         tfc.refuse_tf_keras_variables(self, _TF_KERAS_MESSAGE)
 
     @classmethod
