@@ -390,3 +390,43 @@ def test_custom_training_loop_applying_per_replica_is_refused(data10):
     with pytest.raises(NotImplementedError, match=re.escape(message) + "$"):
         step(x[:32], y[:32])
     assert max_relative_difference(weights, model.get_weights()) == 0.0
+
+
+def _update_ops(strategy, optimizer_fn, digits):
+    """The ops of one traced training step of the digits model (64-32-10) under `strategy`."""
+    from tfdist.engine.step import TrainStep
+
+    with strategy.scope():
+        model = build_model(optimizer=optimizer_fn(), metrics=())
+        model.optimizer.build(model.trainable_variables)
+    x, y = digits
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x[:48], y[:48])).batch(48))))
+    graph = tf.function(TrainStep(model)).get_concrete_function(batch).graph
+    ops = list(graph.get_operations())
+    for function in graph._functions.values():
+        inner = getattr(function, "graph", None)
+        if inner is not None:
+            ops += list(inner.get_operations())
+    return ops
+
+
+def _sqrt_shapes(ops) -> list:
+    # Adam's update takes one square root of the second moment per variable (or part).
+    return sorted(
+        (tuple(op.outputs[0].shape.as_list()), tf.DeviceSpec.from_string(op.device).device_index)
+        for op in ops if op.type == "Sqrt" and op.outputs[0].shape.rank
+    )
+
+
+def test_adam_updates_each_part_on_its_own_device(digits):
+    # 3 devices: the kernel (64, 32) in parts of 22/21/21 rows, the bias (32,)
+    # of 11/11/10, the last kernel (32, 10) of 11/11/10 and bias (10,) of 4/3/3.
+    ops = _update_ops(stage_3(3), adam, digits)
+    assert _sqrt_shapes(ops) == sorted(
+        [((22, 32), 0), ((21, 32), 1), ((21, 32), 2), ((11,), 0), ((11,), 1), ((10,), 2),
+         ((11, 10), 0), ((11, 10), 1), ((10, 10), 2), ((4,), 0), ((3,), 1), ((3,), 2)]
+    )
+    # Lamb's trust ratio needs each whole variable: it is updated whole, then split.
+    lamb = _update_ops(stage_3(3), lambda: keras.optimizers.Lamb(1e-3), digits)
+    assert {shape for shape, _ in _sqrt_shapes(lamb)} >= {(64, 32), (32,), (32, 10), (10,)}

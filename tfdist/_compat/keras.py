@@ -10,6 +10,7 @@ functions instead of touching `keras.src` or a private attribute.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Sequence
 
@@ -519,6 +520,90 @@ class VariableStandIn:
 tf.register_tensor_conversion_function(
     VariableStandIn, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.value, dtype)
 )
+
+
+class PartStandIn:
+    """Part `part` (a `tf.Variable`) of a Keras variable `key` held in parts, updated as if it were `key`.
+
+    Keras (verified on 3.15, TensorFlow backend) finds a variable's slots by
+    `optimizer._var_key(variable)` and writes it with `assign`, `assign_add`,
+    `assign_sub` and, for sparse gradients, `scatter_*`: this object answers
+    with `key`'s key and writes `part`. Used inside `slots_as_parts`, where
+    the slots read as their own part, so an element-wise update runs on one
+    part of the variable and of its state, on the part's device.
+    """
+
+    def __init__(self, key, part):
+        # What Keras's `TFOptimizer._var_key` returns for a variable holding a
+        # `ShardedVariable` (no distributed container): the sharded value's id.
+        self._unique_id = tf_variable(key)._unique_id
+        self.part = part
+
+    @property
+    def dtype(self):
+        return self.part.dtype
+
+    @property
+    def shape(self):
+        return self.part.shape
+
+    def assign(self, value, read_value=False):
+        return self.part.assign(value, read_value=False)
+
+    def assign_add(self, value, read_value=False):
+        return self.part.assign_add(value, read_value=False)
+
+    def assign_sub(self, value, read_value=False):
+        return self.part.assign_sub(value, read_value=False)
+
+    def scatter_update(self, update):
+        return self.part.scatter_update(update)
+
+    def scatter_add(self, update):
+        return self.part.scatter_add(update)
+
+    def scatter_sub(self, update):
+        return self.part.scatter_sub(update)
+
+
+tf.register_tensor_conversion_function(
+    PartStandIn, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.part, dtype)
+)
+
+
+@contextlib.contextmanager
+def slots_as_parts(optimizer, variable, index: int):
+    """Inside: `variable`'s optimizer slots held in parts read as their part `index` (a `tf.Variable`).
+
+    Keras optimizers keep per-variable state in list attributes indexed by
+    the variable's position (`self._momentums[self._get_variable_index(v)]`,
+    the index from the private `_trainable_variables_indices`; verified on
+    Keras 3.15: Adam, AdamW, SGD, RMSprop, Adagrad, Adadelta, Adamax, Nadam,
+    Lion, Ftrl, and EMA's `_model_variables_moving_average`). The entry at
+    `variable`'s position of every such list, when it is a Keras variable
+    whose value is a `ShardedVariable`, is replaced by that value's part
+    `index` for the duration, then restored. A variable the optimizer does
+    not train (an EMA average) has no slots: nothing is replaced.
+    """
+    position = optimizer._trainable_variables_indices.get(optimizer._var_key(variable))
+    swapped = []
+    for value in list(vars(optimizer).values()) if position is not None else []:
+        if not isinstance(value, list) or len(value) <= position:
+            continue
+        # Keras's lists are TensorFlow `ListWrapper`s: replacing an element
+        # through them marks them unsaveable ("A list element was replaced");
+        # their private `_storage` list is written instead, and restored
+        # before anything saves.
+        storage = getattr(value, "_storage", value)
+        entry = storage[position]
+        if isinstance(entry, keras.Variable) and is_sharded(entry):
+            swapped.append((storage, position, entry))
+            storage[position] = tf_variable(entry).variables[index]
+    try:
+        yield
+    finally:
+        for values, i, entry in swapped:
+            values[i] = entry
 
 
 def all_layers(model) -> list:

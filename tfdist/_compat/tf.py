@@ -370,7 +370,6 @@ def dataset_inputs(dataset) -> list:
         return []
 
 
-
 def shard_trainable_variables(strategy, devices: Sequence[str]) -> None:
     """Makes `strategy` (a MirroredStrategy) hold each trainable variable as shards over `devices`.
 

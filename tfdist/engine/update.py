@@ -459,10 +459,18 @@ class Accumulate(GradientTransformation):
 # The update template.
 # ---------------------------------------------------------------------------
 class Placement:
-    """Where one variable's update runs: `run(variable, fn, *args)` calls `fn(v, *args)` there."""
+    """Where one variable's update runs: `run(variable, fn, *args)` calls `fn(v, *args)` there.
+
+    `run` is for element-wise work (the optimizer's update, weight decay,
+    EMA), which a placement may split into parts of the variable;
+    `run_whole` for work that needs the whole variable (constraints).
+    """
 
     def run(self, variable, fn: Callable, *args) -> None:
         raise NotImplementedError
+
+    def run_whole(self, variable, fn: Callable, *args) -> None:
+        self.run(variable, fn, *args)
 
 
 class EveryCopy(Placement):
@@ -573,7 +581,7 @@ def _update(optimizer, pairs, placement, decay_mask, constrain) -> None:
     if constrain:
         for _, v in pairs:
             if v.constraint is not None:
-                placement.run(v, lambda x, c=v.constraint: x.assign(c(tf.convert_to_tensor(x))))
+                placement.run_whole(v, lambda x, c=v.constraint: x.assign(c(tf.convert_to_tensor(x))))
 
     if optimizer.use_ema:
         iterations = optimizer.iterations

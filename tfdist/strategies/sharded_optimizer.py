@@ -1,4 +1,4 @@
-"""Data parallelism with the optimizer state split across replicas (ZeRO stages 1 and 2).
+"""Data parallelism with the optimizer state split across replicas (ZeRO stages 1, 2 and 3).
 
 Plain data parallelism keeps a full copy of the optimizer state on every
 replica: Adam's two float32 slots are 8 bytes per parameter on each device.
@@ -28,6 +28,14 @@ config; it is built on one flat per-replica variable (which holds no memory)
 instead of the model's variables, and it saves and loads a canonical (unsharded) state, the one a
 single-device optimizer would save, so checkpoints move freely between this
 strategy, mirrored, one device and other replica counts.
+
+Stage 3 (one host) also holds the parameters in shards: every trainable
+variable is a `ShardedVariable` whose rows are split over the replicas'
+devices (`tfdist._compat.tf.shard_trainable_variables`), the optimizer's
+slots split alike; each replica gathers the variables whole for its forward
+and backward pass, each part's rows of the replicas' gradients are summed
+on the part's device, and the user's optimizer, unchanged, updates each
+variable (`SHARDED_PARAMETERS`, below).
 
 Across the worker processes of a job (TF_CONFIG with several workers, or
 `cluster_resolver=`), `ShardedOptimizerStrategy(...)` returns a
@@ -183,7 +191,7 @@ class _ShardedStrategyType(type):
 
 
 class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclass=_ShardedStrategyType):
-    """Splits the optimizer state (stage 1) and the gradients (stage 2) across replicas.
+    """Splits the optimizer state (stage 1), the gradients (stage 2) and the parameters (stage 3) across replicas.
 
     Parameters stay replicated on every device, as under mirrored; each
     replica keeps the optimizer state of an even 1/N slice of the flattened
@@ -193,9 +201,12 @@ class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclas
     RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl).
 
     Args:
-        stage: int, 1 or 2. 1 all-reduces the gradients and each replica keeps
-            its slice; 2 reduce-scatters them so each replica only ever holds
-            its gradient slice after reduction. Default 1.
+        stage: int, 1, 2 or 3. 1 all-reduces the gradients and each replica
+            keeps its slice; 2 reduce-scatters them so each replica only ever
+            holds its gradient slice after reduction; 3 (one host) holds each
+            trainable variable and its optimizer state as parts, one per
+            device, gathered whole by each replica for its forward and
+            backward pass. Default 1.
         devices: Optional list of device strings (one host). Default: every
             local GPU, else every logical CPU device.
         cluster, cluster_resolver, communication, collective_timeout,
@@ -209,7 +220,8 @@ class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclas
         **options: step options (see `tfdist.options.STEP_OPTIONS`).
 
     Raises:
-        ValueError: `stage` is not 1 or 2, or `devices` is given with a cluster.
+        ValueError: `stage` is not 1, 2 or 3, `devices` is given with a
+            cluster, or `stage=3` with a cluster of several workers.
         tfdist.ClusterConfigError: TF_CONFIG (or `cluster`) is invalid.
 
     Example:
@@ -974,16 +986,62 @@ def sharded_optimizer_path(step, data) -> None:
 
 
 class _ShardsInPlace(update.Placement):
-    """Stage 3's update placement: a sharded variable where its parts live, any other on every copy."""
+    """Stage 3's update placement: each part of a variable held in parts on its own device.
 
-    def __init__(self, strategy):
+    With `optimizer` (an optimizer whose update is per element), element-wise
+    work (`run`: the optimizer's `update_step`, weight decay, EMA) runs part
+    by part on each part's device, with the optimizer's slots reading as
+    their own part (`kc.slots_as_parts`), so its temporaries are one part's
+    size and no device computes another's update. Without it (an optimizer
+    that needs whole tensors: Lamb, Adafactor, Muon, MultiOptimizer) and for
+    `run_whole` (constraints), the whole variable is updated and the result
+    split into its parts. A variable not held in parts is updated on every copy.
+    """
+
+    def __init__(self, strategy, optimizer=None):
         self.every_copy = update.EveryCopy(strategy)
+        per_element = optimizer is not None and type(optimizer).__name__ not in _WHOLE_TENSOR_OPTIMIZERS
+        self.optimizer = optimizer if per_element and not kc.is_multi_optimizer(optimizer) else None
 
     def run(self, variable, fn, *args) -> None:
+        if not kc.is_sharded(variable):
+            self.every_copy.run(variable, fn, *args)
+            return
+        if self.optimizer is None:
+            fn(kc.tf_variable(variable), *args)
+            return
+        offset = 0
+        for i, part in enumerate(kc.variable_parts(variable)):
+            rows = int(part.shape[0])
+            with tf.device(part.device), kc.slots_as_parts(self.optimizer, variable, i):
+                fn(kc.PartStandIn(variable, part), *[_part_of(a, i, offset, rows, variable) for a in args])
+            offset += rows
+
+    def run_whole(self, variable, fn, *args) -> None:
         if kc.is_sharded(variable):
             fn(kc.tf_variable(variable), *args)
         else:
             self.every_copy.run(variable, fn, *args)
+
+
+@tf.autograph.experimental.do_not_convert
+def _part_of(value, index: int, offset: int, rows: int, variable):
+    """Part `index` (rows `offset` to `offset + rows`) of `value`, an argument of `variable`'s update.
+
+    A variable held in parts gives its part; sparse rows those that fall in
+    the part, renumbered from its first row; a tensor of the variable's
+    shape its rows; anything else (a scalar) is the same for every part.
+    """
+    if kc.is_sharded(value):
+        return kc.variable_parts(value)[index]
+    if isinstance(value, tf.IndexedSlices):
+        indices = tf.cast(value.indices, tf.int64)
+        keep = (indices >= offset) & (indices < offset + rows)
+        shape = tf.concat([tf.constant([rows], tf.int64), tf.cast(value.dense_shape[1:], tf.int64)], 0)
+        return tf.IndexedSlices(tf.boolean_mask(value.values, keep), tf.boolean_mask(indices, keep) - offset, shape)
+    if isinstance(value, (tf.Tensor, tf.Variable)) and value.shape.rank and value.shape == variable.shape:
+        return value[offset:offset + rows]
+    return value
 
 
 @tf.autograph.experimental.do_not_convert
@@ -1040,7 +1098,11 @@ def sharded_parameters_path(step, data) -> None:
         for i, (g, v) in enumerate(zip(local[:-1], step.variables))
     ]
     summed.append(tf.add_n(list(local[-1])))
-    step.apply(step.finish(summed))
+    placement = _ShardsInPlace(strategy, step.update_optimizer)
+    step.apply(
+        step.finish(summed),
+        update_fn=lambda grads: update.apply_update(step.update_optimizer, grads, step.variables, placement),
+    )
 
 
 # Stage 3: parameters are shards on the replicas' devices (read whole in each replica), so a
