@@ -148,8 +148,8 @@ def test_preset_that_is_neither_path_nor_mapping_is_refused(value, shown):
     )
 
 
-@pytest.mark.parametrize("stage", ["1", True, 3])
-def test_a_stage_that_is_not_1_or_2_is_an_option_error(stage):
+@pytest.mark.parametrize("stage", ["1", True, 4])
+def test_a_stage_that_is_not_1_2_or_3_is_an_option_error(stage):
     with pytest.raises(OptionError) as e:
         tfdist.get_strategy("sharded_optimizer", stage=stage)
-    assert str(e.value) == f"Argument 'stage' must be 1 or 2. Received: stage={stage!r}"
+    assert str(e.value) == f"Argument 'stage' must be 1, 2 or 3. Received: stage={stage!r}"

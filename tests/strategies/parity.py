@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import keras
+import numpy as np
+import tensorflow as tf
 
 import tfdist
 from tests.conftest import DEVICES, build_model, max_relative_difference
@@ -34,3 +36,35 @@ def train_pair(name, replicas, x, y, kind="sequential", batch_size=32, epochs=1,
 
 def relative_difference(reference, model) -> float:
     return max_relative_difference(reference.get_weights(), model.get_weights())
+
+
+class OwnStepModel(keras.Model):
+    """keras-io "customizing what happens in fit": its own GradientTape and optimizer.apply."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(10)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
+def own_step_model():
+    """An `OwnStepModel` built and compiled with AdamW, weights from seed 0."""
+    keras.utils.set_random_seed(0)
+    model = OwnStepModel()
+    model(np.zeros((1, 64), np.float32))
+    model.compile(
+        optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model

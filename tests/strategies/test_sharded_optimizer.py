@@ -17,6 +17,7 @@ import tensorflow as tf
 import tfdist
 from tests.child_processes import no_leftover_processes  # noqa: F401 (fixture)
 from tests.conftest import DEVICES, build_model, max_relative_difference
+from tests.strategies.parity import own_step_model
 from tfdist._compat import keras as kc
 from tfdist.sharding import FlatLayout, gather_shard
 
@@ -845,46 +846,17 @@ def test_two_workers_train_stages_1_and_2_like_one_process_and_save_the_full_sta
 # Custom train_step and custom training loops ------------------------------------
 
 
-class OwnStepModel(keras.Model):
-    """keras-io "customizing what happens in fit": its own GradientTape and optimizer.apply."""
-
-    def __init__(self):
-        super().__init__()
-        self.hidden = keras.layers.Dense(16, activation="relu")
-        self.out = keras.layers.Dense(10)
-
-    def call(self, x, training=False):
-        return self.out(self.hidden(x))
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
-        return {"loss": loss}
-
-
-def _own_step_model():
-    keras.utils.set_random_seed(0)
-    model = OwnStepModel()
-    model(np.zeros((1, 64), np.float32))
-    model.compile(
-        optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.05),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_custom_train_step_gets_the_sharded_update(stage, data10):
     x, y = data10
-    reference = _own_step_model()
+    reference = own_step_model()
     reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
     # 4 replicas share the batch of 32 evenly: Keras's compute_loss divides each
     # replica's mean loss by the replica count, which is the global mean only then.
     with sharded(4, stage=stage).scope():
-        model = _own_step_model()
+        model = own_step_model()
     model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
     assert max_relative_difference(canonical(reference), canonical(model)) < 1e-5

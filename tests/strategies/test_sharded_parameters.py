@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import tfdist
 from tests.conftest import DEVICES, build_model, max_relative_difference
+from tests.strategies.parity import own_step_model
 from tfdist._compat import keras as kc
 
 # Weights agree to float32 round-off: each shard's sum runs in another order.
@@ -323,40 +324,14 @@ def test_loss_scaling_and_keras_accumulation_match_mirrored(options, optimizer_f
     assert max_relative_difference(optimizer_state(reference), optimizer_state(model)) < PARITY_RTOL
 
 
-class OwnStepModel(keras.Model):
-    """A digits classifier with its own `train_step` (tape, `optimizer.apply`)."""
-
-    def __init__(self):
-        super().__init__()
-        self.hidden = keras.layers.Dense(32, activation="relu")
-        self.out = keras.layers.Dense(10)
-
-    def call(self, x, training=False):
-        return self.out(self.hidden(x))
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x, y, self(x, training=True))
-        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
-        return {"loss": loss}
-
-
-def _own_step_model():
-    keras.utils.set_random_seed(0)
-    model = OwnStepModel()
-    model(np.zeros((1, 64), np.float32))
-    model.compile(optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.05),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
 
 
 def test_custom_train_step_trains_the_shards_like_one_device(data10):
     x, y = data10
-    reference = _own_step_model()
+    reference = own_step_model()
     reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
     with stage_3(4).scope():
-        model = _own_step_model()
+        model = own_step_model()
     assert all(kc.is_sharded(v) for v in model.trainable_variables)
     model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < PARITY_RTOL

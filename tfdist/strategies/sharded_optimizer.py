@@ -292,7 +292,7 @@ class MultiWorkerShardedOptimizerStrategy(_ShardedStrategyMixin, MultiWorkerMirr
     rule already asks.
 
     Args:
-        stage: int, 1 or 2.
+        stage: int, 1 or 2 (stage 3 runs on one host only: `ValueError`).
         **kwargs: the 'multi_worker' strategy's arguments (`cluster`,
             `cluster_resolver`, `communication`, `collective_timeout`,
             `devices_per_worker`, `auto_shard`) and step options.
