@@ -74,7 +74,7 @@ def test_one_replica_compiles_the_whole_step_as_one_program_like_keras(sink, dig
     assert int(model.optimizer.iterations.numpy()) == 4
 
 
-@pytest.mark.parametrize("name", ["mirrored", "multi_worker"])
+@pytest.mark.parametrize("name", ["mirrored", "multi_worker", "sharded_optimizer"])
 def test_each_replica_compiles_its_forward_and_backward_as_one_program(name, digits):
     # Two replicas: one compiled forward/backward per replica device, the
     # gradient all-reduce and the update outside (a collective cannot run in XLA
@@ -94,13 +94,18 @@ def test_each_replica_compiles_its_forward_and_backward_as_one_program(name, dig
         model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True), **kw)
         return model
 
-    with make_strategy(name, replicas=2).scope():
+    # sharded_optimizer: stage 3, whose replicas compile their pass on the
+    # parameters they gathered (the gathering outside, a copy from each part).
+    options = {"stage": 3} if name == "sharded_optimizer" else {}
+    with make_strategy(name, replicas=2, **options).scope():
         reference = bn_model()
     reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
-    with make_strategy(name, replicas=2, jit_compile=True).scope():
+    with make_strategy(name, replicas=2, jit_compile=True, **options).scope():
         model = bn_model()
     nodes = _fit_and_collect_executed_ops(model, x, y)
-    if name == "mirrored":
+    if name == "sharded_optimizer":
+        assert _compiled_programs(nodes) == ["0", "1"]
+    elif name == "mirrored":
         assert _compiled_programs(nodes) == ["0", "1"]
         assert [n.op for n in nodes if n.op.startswith("Collective")], "the all-reduce ran outside XLA"
     else:  # multi_worker without TF_CONFIG: one worker, one replica, the whole step compiled

@@ -582,10 +582,13 @@ def slots_as_parts(optimizer, variable, index: int):
     Lion, Ftrl, and EMA's `_model_variables_moving_average`). The entry at
     `variable`'s position of every such list, when it is a Keras variable
     whose value is a `ShardedVariable`, is replaced by that value's part
-    `index` for the duration, then restored. A variable the optimizer does
-    not train (an EMA average) has no slots: nothing is replaced.
+    `index` for the duration, then restored: only entries split exactly as
+    `variable` is (a slot, part beside part), never `variable` itself. A
+    variable the optimizer does not train (an EMA average) has no slots:
+    nothing is replaced.
     """
     position = optimizer._trainable_variables_indices.get(optimizer._var_key(variable))
+    layout = [(p.shape, p.device) for p in variable_parts(variable)]
     swapped = []
     for value in list(vars(optimizer).values()) if position is not None else []:
         if not isinstance(value, list) or len(value) <= position:
@@ -596,9 +599,14 @@ def slots_as_parts(optimizer, variable, index: int):
         # before anything saves.
         storage = getattr(value, "_storage", value)
         entry = storage[position]
-        if isinstance(entry, keras.Variable) and is_sharded(entry):
-            swapped.append((storage, position, entry))
-            storage[position] = tf_variable(entry).variables[index]
+        if entry is variable or not (isinstance(entry, keras.Variable) and is_sharded(entry)):
+            continue
+        # A slot is split like its variable, part beside part: a list that is
+        # not indexed by variable (the optimizer's `_variables`) is left alone.
+        if [(p.shape, p.device) for p in variable_parts(entry)] != layout:
+            continue
+        swapped.append((storage, position, entry))
+        storage[position] = tf_variable(entry).variables[index]
     try:
         yield
     finally:

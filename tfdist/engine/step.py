@@ -245,8 +245,13 @@ class TrainStep:
             and not embeddings
         )
         # Parameters held in shards (the sharded optimizer's stage 3): each
-        # replica gathers every variable whole before its forward pass.
+        # replica gathers every variable whole before its forward pass, and
+        # under XLA compiles its forward and backward pass on the gathered
+        # values as one program (same exceptions as above).
         self.gathers_parameters = self.strategy.gradient_path.gathers_parameters
+        self.gathered_xla = (
+            self.jit_compile and self.gathers_parameters and not synchronized_layers and not embeddings
+        )
         if self.whole_step_xla:
             self._compiled_step = tf.function(
                 self._replica_whole_step, jit_compile=True, autograph=False, reduce_retracing=True
@@ -296,7 +301,7 @@ class TrainStep:
                 i += len(ps)
         return with_variable_shapes(grads, variables)
 
-    def _stateless_forward_backward(self, x, y, sample_weight, weight_factor=None, gathered=None):
+    def _stateless_forward_backward(self, x, y, sample_weight, weight_factor=None, gathered=None, also=None):
         """`_forward_backward` with no variable written: returns the layers' updates instead.
 
         Runs in a `keras.StatelessScope`: assignments made by the forward pass
@@ -304,10 +309,13 @@ class TrainStep:
         model.variables: new value}`; losses added by layers are collected by
         the scope and read by `compute_loss` as usual. With `gathered` (one
         value per trainable variable), the layers read those values and the
-        gradients are taken with respect to them.
+        gradients are taken with respect to them; `also` maps the variables of
+        `_frozen_parts()` to the values given, read but not differentiated.
         """
         mapping = None if gathered is None else list(zip(self.variables, gathered))
-        mapped = {id(v) for v in self.variables} if gathered is not None else set()
+        if also:
+            mapping += list(zip(self._frozen_parts(), also))
+        mapped = {id(v) for v, _ in mapping} if mapping else set()
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
             y_pred, loss, grads = self._forward_backward(x, y, sample_weight, weight_factor, sources=gathered)
         updates = {}
@@ -328,17 +336,33 @@ class TrainStep:
         mapping); gradients are taken with respect to the gathered values, so
         they keep their variable's whole shape, and an Embedding's sparse rows
         their indices. The layers' own updates (BatchNorm statistics, seeds)
-        are written after, in replica context.
+        are written after, in replica context. Under XLA (`gathered_xla`)
+        the pass is one compiled program per replica, as under mirrored.
         """
         gathered = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
-        context = tfc.xla_compiled_ops() if self.jit_compile else contextlib.nullcontext()
-        with context:
-            y_pred, loss, grads, updates = self._stateless_forward_backward(
-                x, y, sample_weight, weight_factor, gathered=gathered
+        # Variables held in parts that the step does not train (a layer frozen
+        # after it was built) are read whole too, not differentiated.
+        frozen = self._frozen_parts()
+        also = [tf.convert_to_tensor(kc.tf_variable(v)) for v in frozen]
+        if self.gathered_xla:
+            # The gathered values are the compiled function's inputs.
+            y_pred, loss, grads, updates = self._replica_forward_backward()(
+                x, y, sample_weight, weight_factor, gathered, also
             )
+        else:
+            context = tfc.xla_compiled_ops() if self.jit_compile else contextlib.nullcontext()
+            with context:
+                y_pred, loss, grads, updates = self._stateless_forward_backward(
+                    x, y, sample_weight, weight_factor, gathered=gathered, also=also
+                )
         for i, value in updates.items():
             self.model.variables[i].assign(value)
         return y_pred, loss, with_variable_shapes(grads, self.variables)
+
+    def _frozen_parts(self) -> list:
+        """The model's variables held in parts that the step does not train (in model order)."""
+        trained = {id(v) for v in self.variables}
+        return [v for v in self.model.variables if id(v) not in trained and kc.is_sharded(v)]
 
     def _replica_forward_backward(self) -> Callable:
         """This replica's compiled forward and backward pass (one `tf.function` per replica).
