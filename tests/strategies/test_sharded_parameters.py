@@ -298,7 +298,7 @@ def test_a_model_mirrored_cannot_hold_trains_at_stage_3_within_the_same_memory()
     # copies of the weights and of Adam's two moments (100 MiB) plus each
     # replica's gradients and activations, and runs out (its unconstrained
     # peak was measured at 180 MiB); stage 3 keeps one copy of each, in
-    # parts, and trains the same step (peak measured 107 MiB).
+    # parts, and trains the same step (peak measured 88 MiB).
     unconstrained = _fit_in_budget(0, None)
     assert unconstrained["peak"] > MEMORY_LIMIT_MIB * 2**20
     assert _fit_in_budget(0, MEMORY_LIMIT_MIB) == {"out_of_memory": "ResourceExhaustedError"}
