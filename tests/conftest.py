@@ -24,6 +24,20 @@ def digits():
     return tfdist.datasets.load_digits()
 
 
+@pytest.fixture(scope="session")
+def data50(digits):
+    """The first 1600 digits: 50 steps of 32."""
+    x, y = digits
+    return x[:1600], y[:1600]
+
+
+@pytest.fixture(scope="session")
+def data10(digits):
+    """The first 320 digits: 10 steps of 32."""
+    x, y = digits
+    return x[:320], y[:320]
+
+
 def build_model(kind: str = "sequential", seed: int = 0, optimizer=None, metrics=("accuracy",), **compile_kwargs):
     """A small digits classifier of the given kind, compiled; deterministic weights."""
     keras.utils.set_random_seed(seed)

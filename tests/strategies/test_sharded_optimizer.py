@@ -58,18 +58,6 @@ def canonical(model) -> list:
     return [np.asarray(v.numpy()) for v in model.optimizer.variables]
 
 
-@pytest.fixture(scope="module")
-def data50(digits):
-    x, y = digits
-    return x[:1600], y[:1600]  # 50 steps of 32
-
-
-@pytest.fixture(scope="module")
-def data10(digits):
-    x, y = digits
-    return x[:320], y[:320]  # 10 steps of 32
-
-
 # Options -------------------------------------------------------------------
 
 

@@ -42,18 +42,6 @@ def adam():
     return keras.optimizers.Adam(1e-3)
 
 
-@pytest.fixture(scope="module")
-def data50(digits):
-    x, y = digits
-    return x[:1600], y[:1600]  # 50 steps of 32
-
-
-@pytest.fixture(scope="module")
-def data10(digits):
-    x, y = digits
-    return x[:320], y[:320]  # 10 steps of 32
-
-
 def test_each_device_holds_its_rows_of_every_parameter_and_of_its_adam_state():
     # 3 replicas: 64, 32 and 10 rows split 22/21/21, 11/11/10, 4/3/3.
     with stage_3(3).scope():
@@ -100,8 +88,10 @@ def test_weights_and_adam_state_match_mirrored_after_50_steps(data50):
         lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.05),
         # Whole-tensor optimizers train too: each variable is updated whole.
         lambda: keras.optimizers.Lamb(1e-3),
+        # EMA: each part's average beside the part, overwritten every 3 steps.
+        lambda: keras.optimizers.Adam(1e-3, use_ema=True, ema_overwrite_frequency=3),
     ],
-    ids=["sgd_global_clipnorm", "adamw", "lamb"],
+    ids=["sgd_global_clipnorm", "adamw", "lamb", "adam_ema"],
 )
 def test_other_optimizers_match_one_device(optimizer_fn, data10):
     x, y = data10

@@ -388,7 +388,12 @@ def shard_trainable_variables(strategy, devices: Sequence[str]) -> None:
     creator) and `_validate_colocate_with_variable`, which accepts only
     `DistributedVariable`s ("`colocate_vars_with` must only be passed a
     variable created in this tf.distribute.Strategy.scope()") and so refuses
-    a `ShardedVariable` slot reference. Verified on TensorFlow 2.21.
+    a `ShardedVariable` slot reference; and `MirroredExtended._update`
+    (behind `extended.update`), which asserts its variable is a
+    `DistributedVariable` (a bare `AssertionError` when Keras's optimizer
+    writes the EMA averages into the weights at the end of `fit`,
+    `_overwrite_model_variables_with_average_value`): a `ShardedVariable` is
+    written in place. Verified on TensorFlow 2.21.
     """
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
@@ -445,5 +450,14 @@ def shard_trainable_variables(strategy, devices: Sequence[str]) -> None:
             return
         original_validate(variable)
 
+    original_update = extended._update
+
+    def update(var, fn, args, kwargs, group):
+        if isinstance(var, ShardedVariable):
+            # Written where its parts live (it splits what is assigned).
+            return fn(var, *args, **kwargs)
+        return original_update(var, fn, args, kwargs, group)
+
     extended._create_variable = create_variable
     extended._validate_colocate_with_variable = validate_colocate_with_variable
+    extended._update = update
