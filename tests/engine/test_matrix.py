@@ -1,7 +1,8 @@
 """Strategy × feature matrix (issue 7): each cell trains with parity to one device or raises.
 
 Every synchronous strategy that runs in-process (mirrored, central_storage and
-sharded_optimizer on 4 logical CPU devices; multi_worker as one local worker)
+sharded_optimizer on 4 logical CPU devices, the latter at stage 1 and at stage
+3; multi_worker as one local worker)
 is trained on 4 steps of a global batch of 32 with one step feature on, and
 compared with single-device Keras training of the same model with the same
 feature (the same dtype policy, the same optimizer; for accumulation, one
@@ -24,6 +25,10 @@ import tfdist
 from tests.engine.common import SYNCHRONOUS, make_strategy, max_relative_difference, tiny_model, with_policy
 
 SAMPLES = 128  # 4 steps of a global batch of 32
+# The matrix's rows: every synchronous strategy, and the sharded optimizer's stage 3, whose
+# parameters are held in parts (its own step path).
+STAGE_3 = "sharded_optimizer stage=3"
+ROWS = SYNCHRONOUS + [STAGE_3]
 MATRIX_FILE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "feature_matrix.md"
 
 # name: (strategy options, model kwargs, single-device policy, tolerance, why this tolerance)
@@ -91,7 +96,10 @@ def _cell(strategy_name, feature, x, y, reference):
     options, model_kwargs, _, tolerance, _ = FEATURES[feature]
     micro = 32 // options.get("accumulation_steps", 1)
     try:
-        strategy = make_strategy(strategy_name, **options)
+        if strategy_name == STAGE_3:
+            strategy = make_strategy("sharded_optimizer", stage=3, **options)
+        else:
+            strategy = make_strategy(strategy_name, **options)
         with strategy.scope():
             model = tiny_model(**model_kwargs)
         model.fit(x, y, batch_size=micro, shuffle=False, verbose=0)
@@ -110,7 +118,7 @@ def render(results) -> str:
         "|---|" + "---|" * len(features),
     ]
     notes = []
-    for strategy_name in SYNCHRONOUS:
+    for strategy_name in ROWS:
         cells = []
         for feature in features:
             status, detail, _ = results[strategy_name, feature]
@@ -146,7 +154,7 @@ def test_strategy_feature_matrix_matches_single_device_or_raises(digits):
     results = {}
     for feature in FEATURES:
         reference = _reference(feature, x, y)
-        for strategy_name in SYNCHRONOUS:
+        for strategy_name in ROWS:
             results[strategy_name, feature] = _cell(strategy_name, feature, x, y, reference)
     table = render(results)
     mismatches = {k: v for k, v in results.items() if v[0] == "MISMATCH"}
