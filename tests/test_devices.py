@@ -12,6 +12,10 @@ from tfdist.devices import check_devices
 
 
 def test_configure_local_devices_after_initialisation_says_how_to_fix():
+    import tensorflow as tf
+
+    # conftest split the CPU in 4 without starting TensorFlow's runtime; listing starts it.
+    assert len(tf.config.list_logical_devices("CPU")) == 4
     with pytest.raises(RuntimeError) as e:
         tfdist.configure_local_devices(2)
     assert str(e.value) == (

@@ -24,6 +24,8 @@ def configure_local_devices(n: int, memory_limit_mb: Optional[int] = None) -> li
 
     Returns:
         The logical device names, e.g. `['/device:CPU:0', '/device:CPU:1']`.
+        TensorFlow's runtime is not started, so a multi-worker strategy
+        created afterwards can still configure its collective ops.
 
     Raises:
         ValueError: `n` is not a positive integer, or GPUs are present and
@@ -52,8 +54,13 @@ def configure_local_devices(n: int, memory_limit_mb: Optional[int] = None) -> li
     physical = gpus or tf.config.list_physical_devices("CPU")
     kind = "GPU" if gpus else "CPU"
     current = tf.config.get_logical_device_configuration(physical[0])
+    # The names, without listing the logical devices: listing initialises
+    # TensorFlow's runtime, after which a multi-worker strategy can no longer
+    # configure its collective ops ("Collective ops must be configured at
+    # program startup").
+    names = [f"/device:{kind}:{i}" for i in range(n * len(physical))]
     if current is not None and len(current) == n:
-        return [d.name for d in tf.config.list_logical_devices(kind)]
+        return names
     try:
         for dev in physical:
             if gpus:
@@ -73,7 +80,7 @@ def configure_local_devices(n: int, memory_limit_mb: Optional[int] = None) -> li
             "created; or set it for the whole process with the environment "
             f"variable TFDIST_LOCAL_DEVICES={n}."
         ) from None
-    return [d.name for d in tf.config.list_logical_devices(kind)]
+    return names
 
 
 def default_devices() -> list[str]:

@@ -795,6 +795,23 @@ def _enter_private_network(args, command: list[str]) -> int:
     return 2
 
 
+def devices_per_worker_environment(k: int, environ=None) -> dict:
+    """The variables `--devices-per-worker K` sets for every task.
+
+    `TFDIST_DEVICES_PER_WORKER=K` (the multi_worker strategy's default for
+    `devices_per_worker`), and `TFDIST_LOCAL_DEVICES=K` so that `import
+    tfdist` splits the task's CPU into K logical devices, unless the variable
+    is already set or the host shows GPUs (`CUDA_VISIBLE_DEVICES` non-empty,
+    or /dev/nvidia0), whose devices are the worker's replicas.
+    """
+    environ = os.environ if environ is None else environ
+    out = {"TFDIST_DEVICES_PER_WORKER": str(k)}
+    gpus = environ.get("CUDA_VISIBLE_DEVICES", "").strip() not in ("", "-1") or os.path.exists("/dev/nvidia0")
+    if not environ.get("TFDIST_LOCAL_DEVICES") and not gpus:
+        out["TFDIST_LOCAL_DEVICES"] = str(k)
+    return out
+
+
 def add_arguments(p) -> None:
     """The flags of `tfdist launch`."""
     p.add_argument("--workers", type=int, required=True, help="number of worker processes")
@@ -818,9 +835,14 @@ def add_arguments(p) -> None:
                    help="run the job in a network namespace of its own (Linux, unprivileged user namespaces): "
                         "its TensorFlow servers, which listen on every interface, are reachable only from its "
                         "own processes; the job has no network but its loopback")
+    p.add_argument("--devices-per-worker", type=int, default=None, metavar="K",
+                   help="replicas per worker: each task splits its CPU into K logical devices (sets "
+                        "TFDIST_LOCAL_DEVICES, unless set or GPUs are visible) and its multi_worker strategy "
+                        "trains on K of them (sets TFDIST_DEVICES_PER_WORKER)")
     p.usage = (
         "tfdist launch --workers N [--chief] [--ps M] [--evaluator] [--restarts K] [--timeout S] "
-        "[--startup-timeout S] [--all-progress] [--tf-logs] [--private-network] -- python train.py ARGS"
+        "[--startup-timeout S] [--all-progress] [--tf-logs] [--private-network] [--devices-per-worker K] "
+        "-- python train.py ARGS"
     )
     p.epilog = "Signals, restarts and network exposure: docs/operations.md"
 
@@ -840,6 +862,12 @@ def main(args) -> int:
             _say(f"--startup-timeout must be a number of seconds > 0. Received: --startup-timeout {startup:g}")
             return 2
         env = {"TFDIST_STARTUP_TIMEOUT": f"{startup:g}"}
+    per_worker = getattr(args, "devices_per_worker", None)
+    if per_worker is not None:
+        if per_worker < 1:
+            _say(f"--devices-per-worker must be an integer >= 1. Received: --devices-per-worker {per_worker}")
+            return 2
+        env = dict(env or {}, **devices_per_worker_environment(per_worker))
     try:
         if getattr(args, "private_network", False) and not _in_private_network():
             # Usage errors first, in this process, not after re-executing it.

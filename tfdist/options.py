@@ -289,10 +289,12 @@ DEVICES_PER_WORKER = Option(
     name="devices_per_worker",
     default=None,
     types=(int,),
-    expected="an integer >= 1 (GPUs each worker trains on; 1 on CPU hosts)",
+    expected="an integer >= 1 (replicas each worker trains on: its GPUs, else its logical CPU devices)",
     doc=(
-        "Replicas each worker contributes: that many of its GPUs; default every GPU of the "
-        "worker, or its CPU (one replica) when it has none."
+        "Replicas each worker contributes: that many of its GPUs, or on a worker without GPUs that "
+        "many of its logical CPU devices (`tfdist.configure_local_devices`); default every GPU of "
+        "the worker, or one CPU replica (environment TFDIST_DEVICES_PER_WORKER, set by "
+        "`tfdist launch --devices-per-worker`)."
     ),
     check=lambda v: v >= 1,
 )

@@ -222,8 +222,8 @@ def test_tf_config_required_when_asked_for(monkeypatch):
          "option 'collective_timeout' must be a number of seconds >= 0 (0 for no timeout). "
          "Received: collective_timeout=-1"),
         ({"devices_per_worker": 0},
-         "option 'devices_per_worker' must be an integer >= 1 (GPUs each worker trains on; 1 on CPU "
-         "hosts). Received: devices_per_worker=0"),
+         "option 'devices_per_worker' must be an integer >= 1 (replicas each worker trains on: its "
+         "GPUs, else its logical CPU devices). Received: devices_per_worker=0"),
         ({"auto_shard": "rows"},
          "option 'auto_shard' must be one of 'auto', 'file', 'data', 'off'. Received: auto_shard='rows'"),
         ({"cluster": "kubernetes"},
@@ -238,12 +238,101 @@ def test_bad_options_are_named(kwargs, message):
 
 
 def test_more_devices_per_worker_than_a_cpu_host_has():
+    # The test process has 4 logical CPU devices (conftest).
     with pytest.raises(ValueError) as e:
-        tfdist.get_strategy("multi_worker", devices_per_worker=2)
+        tfdist.get_strategy("multi_worker", devices_per_worker=5)
     assert str(e.value) == (
-        "devices_per_worker=2 is more than this worker has: 0 GPU(s), and on CPU TensorFlow runs one "
-        "replica per worker. Use devices_per_worker <= 1, or start more workers."
+        "devices_per_worker=5 needs 5 logical CPU devices in each worker; this worker has 4. Split its "
+        "CPU first: tfdist.configure_local_devices(5) at the top of the script, TFDIST_LOCAL_DEVICES=5, "
+        "or start the job with `tfdist launch --devices-per-worker 5`."
     )
+
+
+def test_a_bad_devices_per_worker_environment_variable_is_named(monkeypatch):
+    monkeypatch.setenv("TFDIST_DEVICES_PER_WORKER", "two")
+    with pytest.raises(tfdist.OptionError) as e:
+        tfdist.get_strategy("multi_worker")
+    assert str(e.value) == (
+        "Environment variable TFDIST_DEVICES_PER_WORKER must be an integer >= 1 (replicas per worker), "
+        "or unset. Received: TFDIST_DEVICES_PER_WORKER='two'"
+    )
+
+
+def test_one_cpu_worker_trains_on_its_logical_devices_like_mirrored(digits):
+    # TensorFlow gives a CPU worker one replica; with devices_per_worker=2 it
+    # trains on CPU:0 and CPU:1, as mirrored does on the same two devices.
+    x, y = digits
+    x, y = x[:320], y[:320]
+    reference, _ = mirrored_reference(x, y, epochs=1)
+    strategy = tfdist.get_strategy("multi_worker", devices_per_worker=2)
+    assert strategy.num_replicas_in_sync == 2
+    assert [d.rsplit(":", 1)[-1] for d in strategy.extended.worker_devices] == ["0", "1"]
+    with strategy.scope():
+        model = build_model()
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert model.optimizer.iterations.numpy() == 10
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+def test_launch_devices_per_worker_sets_the_split_and_the_replicas():
+    from tfdist.launch import devices_per_worker_environment
+
+    assert devices_per_worker_environment(2, environ={}) == {
+        "TFDIST_DEVICES_PER_WORKER": "2", "TFDIST_LOCAL_DEVICES": "2",
+    }
+    # A split the user chose, or GPUs (the worker's replicas), are left alone.
+    assert devices_per_worker_environment(2, environ={"TFDIST_LOCAL_DEVICES": "4"}) == {
+        "TFDIST_DEVICES_PER_WORKER": "2",
+    }
+    assert devices_per_worker_environment(2, environ={"CUDA_VISIBLE_DEVICES": "0,1"}) == {
+        "TFDIST_DEVICES_PER_WORKER": "2",
+    }
+
+
+_DEVICES_JOB = """
+import json, os, sys
+import numpy as np
+import tfdist  # TFDIST_LOCAL_DEVICES (tfdist launch --devices-per-worker): the CPU split first
+import keras
+
+strategy = tfdist.get_strategy("multi_worker", collective_timeout=120.0)
+x, y = tfdist.datasets.load_digits()
+with strategy.scope():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+model.fit(x[:640], y[:640], batch_size=32, shuffle=False, verbose=0)
+task = strategy.cluster_config.task_id
+np.savez(os.path.join(sys.argv[1], f"worker{task}.npz"), *model.get_weights())
+with open(os.path.join(sys.argv[1], f"worker{task}.json"), "w") as f:
+    json.dump({"replicas": strategy.num_replicas_in_sync, "local": len(strategy.extended.worker_devices),
+               "iterations": int(model.optimizer.iterations.numpy())}, f)
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_two_workers_with_two_devices_each_train_like_four_local_replicas(tmp_path, digits):
+    from tfdist.launch import devices_per_worker_environment
+
+    script = tmp_path / "job.py"
+    script.write_text(_DEVICES_JOB)
+    env = {**ENV, "TMPDIR": str(tmp_path), **devices_per_worker_environment(2, environ={})}
+    status = run_job([sys.executable, str(script), str(tmp_path)], workers=2, env=env, timeout=JOB_TIMEOUT_S)
+    assert status == 0
+    x, y = digits
+    strategy = tfdist.get_strategy("mirrored", devices=DEVICES[4])
+    with strategy.scope():
+        reference = build_model()
+    reference.fit(x[:640], y[:640], batch_size=32, shuffle=False, verbose=0)
+    for task in (0, 1):
+        with open(tmp_path / f"worker{task}.json") as f:
+            assert json.load(f) == {"replicas": 4, "local": 2, "iterations": 20}
+        saved = np.load(tmp_path / f"worker{task}.npz")
+        weights = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+        assert max_relative_difference(reference.get_weights(), weights) < 1e-5
 
 
 def test_nccl_on_a_cpu_host_is_refused():

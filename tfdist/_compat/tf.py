@@ -461,3 +461,34 @@ def shard_trainable_variables(strategy, devices: Sequence[str]) -> None:
     extended._create_variable = create_variable
     extended._validate_colocate_with_variable = validate_colocate_with_variable
     extended._update = update
+
+
+@contextlib.contextmanager
+def cpu_devices_per_worker(k: int):
+    """While a MultiWorkerMirroredStrategy initialises inside: K local CPU devices per worker.
+
+    Private API: `CollectiveAllReduceExtended._initialize_local_devices`,
+    which gives a worker without GPUs or TPUs exactly one replica, its
+    `CPU:0` (TensorFlow 2.21: "num_local_devices = 1"), so logical CPU
+    devices (`tfdist.configure_local_devices`) never join the job. Inside,
+    a CPU worker's local devices are its `CPU:0` to `CPU:K-1`, and the
+    collective group is K devices of every worker (TensorFlow's ring over
+    all of them, each worker's devices adjacent). GPU and TPU workers are
+    unchanged. Verified on TensorFlow 2.21.
+    """
+    from tensorflow.python.distribute import collective_all_reduce_strategy as strategy_module
+
+    extended = strategy_module.CollectiveAllReduceExtended
+    original = extended._initialize_local_devices
+
+    def initialize_local_devices(self, cluster_resolver, worker_device):
+        devices, kind = original(self, cluster_resolver, worker_device)
+        if kind != "CPU":
+            return devices, kind
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(k)), kind
+
+    extended._initialize_local_devices = initialize_local_devices
+    try:
+        yield
+    finally:
+        extended._initialize_local_devices = original

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import shutil
@@ -101,6 +102,10 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             (environment TFDIST_STARTUP_TIMEOUT).
         devices_per_worker: Optional int. GPUs per worker to train on;
             default all of them, or one CPU replica on hosts without GPUs.
+            On a worker without GPUs, K > 1 trains on its logical CPU
+            devices `CPU:0` to `CPU:K-1` (split first: `tfdist.configure_local_devices(K)`,
+            TFDIST_LOCAL_DEVICES, or `tfdist launch --devices-per-worker K`);
+            environment default TFDIST_DEVICES_PER_WORKER.
         auto_shard: str. `"auto"` (default), `"file"`, `"data"` or `"off"`.
         **options: step options (see `tfdist.options.STEP_OPTIONS`).
 
@@ -155,9 +160,11 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
                 "Pass either 'cluster' or 'cluster_resolver', not both. "
                 f"Received: cluster={cluster!r}, cluster_resolver={cluster_resolver!r}"
             )
-        self.cluster_config, resolver = _resolve(
-            cluster, cluster_resolver, _num_gpus(devices_per_worker, communication)
-        )
+        devices_per_worker = _devices_per_worker(devices_per_worker)
+        num_gpus = _num_gpus(devices_per_worker, communication)
+        self.cluster_config, resolver = _resolve(cluster, cluster_resolver, num_gpus)
+        # A CPU worker with several logical devices trains on that many (TensorFlow gives it one).
+        cpu_replicas = devices_per_worker if (devices_per_worker or 1) > 1 and not num_gpus else None
         self.auto_shard = params["auto_shard"]
         config = self.cluster_config
         in_cluster = config is not None and config.task_type != "evaluator"
@@ -177,17 +184,24 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
         if in_cluster:
             source = cluster_lib.ClusterSource.of(cluster_resolver).label
             waited = cluster_lib.wait_for_tasks(config, self.startup_timeout, source=source)
-            with cluster_lib.startup_deadline(max(self.startup_timeout - waited, 30.0)):
+            with cluster_lib.startup_deadline(max(self.startup_timeout - waited, 30.0)), self._local_devices(
+                cpu_replicas
+            ):
                 super().__init__(cluster_resolver=resolver, communication_options=comm)
             cluster_lib.mark_serving(config)
         else:
-            super().__init__(cluster_resolver=resolver, communication_options=comm)
+            with self._local_devices(cpu_replicas):
+                super().__init__(cluster_resolver=resolver, communication_options=comm)
         run_creation_hooks("multi_worker", self)
 
     @classmethod
     def demo_kwargs(cls):
         # A multi-process strategy: `tfdist launch` runs it, not `tfdist demo`.
         return None
+
+    @staticmethod
+    def _local_devices(cpu_replicas: Optional[int]):
+        return tfc.cpu_devices_per_worker(cpu_replicas) if cpu_replicas else contextlib.nullcontext()
 
     @property
     def is_chief(self) -> bool:
@@ -331,6 +345,24 @@ def _with_shard_policy(dataset, policy: str):
     return dataset.with_options(opts)
 
 
+DEVICES_PER_WORKER_ENV = "TFDIST_DEVICES_PER_WORKER"
+
+
+def _devices_per_worker(value: Optional[int]) -> Optional[int]:
+    """`devices_per_worker`, else TFDIST_DEVICES_PER_WORKER (set by `tfdist launch --devices-per-worker`)."""
+    if value is not None:
+        return value
+    raw = os.environ.get(DEVICES_PER_WORKER_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise options_lib.OptionError(
+            f"Environment variable {DEVICES_PER_WORKER_ENV} must be an integer >= 1 (replicas per "
+            f"worker), or unset. Received: {DEVICES_PER_WORKER_ENV}={raw!r}"
+        )
+    return int(raw)
+
+
 def _num_gpus(devices_per_worker: Optional[int], communication: str) -> Optional[int]:
     gpus = len(tf.config.list_physical_devices("GPU"))
     if communication == "nccl" and not gpus:
@@ -340,11 +372,21 @@ def _num_gpus(devices_per_worker: Optional[int], communication: str) -> Optional
         )
     if devices_per_worker is None:
         return gpus
-    if devices_per_worker > max(gpus, 1):
+    if gpus and devices_per_worker > gpus:
         raise ValueError(
-            f"devices_per_worker={devices_per_worker} is more than this worker has: "
-            f"{gpus} GPU(s){'' if gpus else ', and on CPU TensorFlow runs one replica per worker'}. "
-            f"Use devices_per_worker <= {max(gpus, 1)}, or start more workers."
+            f"devices_per_worker={devices_per_worker} is more than this worker has: {gpus} GPU(s). "
+            f"Use devices_per_worker <= {gpus}, or start more workers."
+        )
+    # From the configuration, not by listing the devices: that would initialise TensorFlow's
+    # runtime before the strategy configures its collective ops.
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    cpus = len(tf.config.get_logical_device_configuration(cpu) or [None])
+    if not gpus and devices_per_worker > cpus:
+        raise ValueError(
+            f"devices_per_worker={devices_per_worker} needs {devices_per_worker} logical CPU devices in "
+            f"each worker; this worker has {cpus}. Split its CPU first: tfdist.configure_local_devices("
+            f"{devices_per_worker}) at the top of the script, TFDIST_LOCAL_DEVICES={devices_per_worker}, "
+            f"or start the job with `tfdist launch --devices-per-worker {devices_per_worker}`."
         )
     return devices_per_worker if gpus else 0
 
