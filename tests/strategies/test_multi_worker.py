@@ -295,12 +295,14 @@ import numpy as np
 import tfdist  # TFDIST_LOCAL_DEVICES (tfdist launch --devices-per-worker): the CPU split first
 import keras
 
-strategy = tfdist.get_strategy("multi_worker", collective_timeout=120.0)
+# argv: out directory, strategy name, sharded optimizer stage (0: none)
+stage = int(sys.argv[3])
+strategy = tfdist.get_strategy(sys.argv[2], collective_timeout=120.0, **({"stage": stage} if stage else {}))
 x, y = tfdist.datasets.load_digits()
 with strategy.scope():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
 model.fit(x[:640], y[:640], batch_size=32, shuffle=False, verbose=0)
 task = strategy.cluster_config.task_id
@@ -314,18 +316,22 @@ with open(os.path.join(sys.argv[1], f"worker{task}.json"), "w") as f:
 @pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_leftover_processes")
-def test_two_workers_with_two_devices_each_train_like_four_local_replicas(tmp_path, digits):
+@pytest.mark.parametrize("name,stage", [("multi_worker", 0), ("sharded_optimizer", 2)])
+def test_two_workers_with_two_devices_each_train_like_four_local_replicas(name, stage, tmp_path, digits):
+    # The sharded optimizer's stage 2 too: replica r of 4 (worker-major) owns
+    # slice r, reduce-scattered and all-gathered across both workers' devices.
     from tfdist.launch import devices_per_worker_environment
 
     script = tmp_path / "job.py"
     script.write_text(_DEVICES_JOB)
     env = {**ENV, "TMPDIR": str(tmp_path), **devices_per_worker_environment(2, environ={})}
-    status = run_job([sys.executable, str(script), str(tmp_path)], workers=2, env=env, timeout=JOB_TIMEOUT_S)
+    status = run_job([sys.executable, str(script), str(tmp_path), name, str(stage)], workers=2, env=env,
+                     timeout=JOB_TIMEOUT_S)
     assert status == 0
     x, y = digits
     strategy = tfdist.get_strategy("mirrored", devices=DEVICES[4])
     with strategy.scope():
-        reference = build_model()
+        reference = build_model(optimizer=keras.optimizers.Adam(1e-2))
     reference.fit(x[:640], y[:640], batch_size=32, shuffle=False, verbose=0)
     for task in (0, 1):
         with open(tmp_path / f"worker{task}.json") as f:
