@@ -17,7 +17,7 @@ import tensorflow as tf
 import tfdist
 from tests.child_processes import no_leftover_processes  # noqa: F401 (fixture)
 from tests.conftest import DEVICES, build_model, max_relative_difference
-from tests.strategies.parity import own_step_model
+from tests.strategies.parity import StopAfterFirstEpoch, own_step_model
 from tfdist._compat import keras as kc
 from tfdist.sharding import FlatLayout, gather_shard
 
@@ -570,11 +570,6 @@ def test_model_checkpoint_and_backup_and_restore_resume_on_another_replica_count
     x, y = data10
     adam = lambda: keras.optimizers.Adam(1e-3)  # noqa: E731
     backup = str(tmp_path / "backup")
-
-    class StopAfterFirstEpoch(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch == 0:
-                raise RuntimeError("interrupted")
 
     with sharded(4, stage=2).scope():
         model = build_model(optimizer=adam())

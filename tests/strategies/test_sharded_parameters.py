@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tfdist
 from tests.conftest import DEVICES, build_model, max_relative_difference
-from tests.strategies.parity import own_step_model
+from tests.strategies.parity import StopAfterFirstEpoch, own_step_model
 from tfdist._compat import keras as kc
 
 # Weights agree to float32 round-off: each shard's sum runs in another order.
@@ -176,11 +176,6 @@ def test_tf_train_checkpoint_keys_are_one_devices_both_ways(tmp_path, data10):
 def test_backup_and_restore_resumes_stage_3_under_mirrored(tmp_path, data10):
     x, y = data10
     backup = str(tmp_path / "backup")
-
-    class StopAfterFirstEpoch(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch == 0:
-                raise RuntimeError("interrupted")
 
     with stage_3(4).scope():
         model = build_model(optimizer=adam())

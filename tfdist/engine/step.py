@@ -235,22 +235,18 @@ class TrainStep:
         # pass), and Embedding models, whose sparse rows are summed or
         # all-gathered by where their indices come from
         # (`collectives.rows_shared_by_replicas` reads the graph that makes
-        # them, which a compiled function's output hides).
+        # them, which a compiled function's output hides). The program needs
+        # every variable on the replica's device: a copy of it, or (parameters
+        # held in shards: the sharded optimizer's stage 3, `gathers_parameters`)
+        # its value gathered whole before the pass, an input of the program.
         self._compiled_forward_backward: dict[int, Callable] = {}
+        self.gathers_parameters = self.strategy.gradient_path.gathers_parameters
         self.forward_backward_xla = (
             self.jit_compile
             and not self.whole_step_xla
-            and self.strategy.gradient_path.variables_on_replicas
+            and (self.strategy.gradient_path.variables_on_replicas or self.gathers_parameters)
             and not synchronized_layers
             and not embeddings
-        )
-        # Parameters held in shards (the sharded optimizer's stage 3): each
-        # replica gathers every variable whole before its forward pass, and
-        # under XLA compiles its forward and backward pass on the gathered
-        # values as one program (same exceptions as above).
-        self.gathers_parameters = self.strategy.gradient_path.gathers_parameters
-        self.gathered_xla = (
-            self.jit_compile and self.gathers_parameters and not synchronized_layers and not embeddings
         )
         if self.whole_step_xla:
             self._compiled_step = tf.function(
@@ -336,7 +332,7 @@ class TrainStep:
         mapping); gradients are taken with respect to the gathered values, so
         they keep their variable's whole shape, and an Embedding's sparse rows
         their indices. The layers' own updates (BatchNorm statistics, seeds)
-        are written after, in replica context. Under XLA (`gathered_xla`)
+        are written after, in replica context. Under XLA (`forward_backward_xla`)
         the pass is one compiled program per replica, as under mirrored.
         """
         gathered = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
@@ -344,7 +340,7 @@ class TrainStep:
         # after it was built) are read whole too, not differentiated.
         frozen = self._frozen_parts()
         also = [tf.convert_to_tensor(kc.tf_variable(v)) for v in frozen]
-        if self.gathered_xla:
+        if self.forward_backward_xla:
             # The gathered values are the compiled function's inputs.
             y_pred, loss, grads, updates = self._replica_forward_backward()(
                 x, y, sample_weight, weight_factor, gathered, also

@@ -34,8 +34,8 @@ variable is a `ShardedVariable` whose rows are split over the replicas'
 devices (`tfdist._compat.tf.shard_trainable_variables`), the optimizer's
 slots split alike; each replica gathers the variables whole for its forward
 and backward pass, each part's rows of the replicas' gradients are summed
-on the part's device, and the user's optimizer, unchanged, updates each
-variable (`SHARDED_PARAMETERS`, below).
+on the part's device, and the user's optimizer, unchanged, updates each part
+on its device (`SHARDED_PARAMETERS`, below).
 
 Across the worker processes of a job (TF_CONFIG with several workers, or
 `cluster_resolver=`), `ShardedOptimizerStrategy(...)` returns a
@@ -151,18 +151,23 @@ class _ShardedStrategyMixin:
         return None
 
     def on_compile(self, model) -> None:
-        """Makes the compiled optimizer build and save sharded state (after validation)."""
-        optimizer = model.optimizer
-        if optimizer is None:
+        """Makes the compiled optimizer build and save sharded state (after validation).
+
+        At stage 3 the optimizer is the user's, unchanged: its slots are
+        created beside each parameter part (`tfc.shard_trainable_variables`).
+        Every stage: a failed `load_weights` leaves the model and optimizer as
+        they were.
+        """
+        if model.optimizer is None:
             return
-        if self.stage == 3:
-            # The optimizer is the user's, unchanged; its slots are created
-            # beside each parameter shard (`tfc.shard_trainable_variables`).
-            # A failed load leaves the model and optimizer as they were.
-            kc.guard_load_weights(model, lambda: _snapshot_whole(model), lambda saved: _restore_whole(model, saved))
-            return
-        if kc.sharded_state(optimizer) is not None:
-            return
+        if self.stage != 3 and kc.sharded_state(model.optimizer) is None:
+            self._shard(model.optimizer)
+        if not getattr(model, "_tfdist_load_guarded", False):
+            kc.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
+            object.__setattr__(model, "_tfdist_load_guarded", True)
+
+    def _shard(self, optimizer) -> None:
+        """Stages 1 and 2: the optimizer becomes a sharded one (`ShardedState`)."""
         # Under mixed_float16 Keras wraps the optimizer in a LossScaleOptimizer:
         # the inner one is sharded (its slices read float32 weights: the master
         # copy), the engine's step scales the loss and gates the update.
@@ -176,9 +181,6 @@ class _ShardedStrategyMixin:
             )
         state = ShardedState(self, optimizer, under_loss_scale=wrapper is not None)
         kc.make_sharded_optimizer(optimizer, state, loss_scale_optimizer=wrapper)
-        if not getattr(model, "_tfdist_load_guarded", False):
-            kc.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
-            object.__setattr__(model, "_tfdist_load_guarded", True)
 
 
 class _ShardedStrategyType(type):
@@ -339,9 +341,16 @@ def _runs_across_workers(kwargs: dict) -> bool:
 
 
 def _snapshot(model) -> tuple:
-    """Host copies of the model's weights and its optimizer's canonical state."""
-    state = kc.sharded_state(model.optimizer) if model.optimizer is not None else None
-    values = state.canonical_values() if state is not None and state.layout is not None else None
+    """Host copies of the model's weights and its optimizer's state (canonical at stages 1 and 2).
+
+    At stage 3 the optimizer is the user's: its variables, read whole from their parts.
+    """
+    optimizer = model.optimizer
+    state = kc.sharded_state(optimizer) if optimizer is not None else None
+    if state is None:
+        values = [(v, np.array(v.numpy())) for v in (optimizer.variables if optimizer is not None else [])]
+    else:
+        values = state.canonical_values() if state.layout is not None else None
     return [np.array(v.numpy()) for v in model.weights], state, values
 
 
@@ -349,25 +358,11 @@ def _restore(model, saved: tuple) -> None:
     weights, state, values = saved
     for v, value in zip(model.weights, weights):
         v.assign(value)
-    if values is not None:
+    if state is None:
+        for v, value in values:
+            v.assign(value)
+    elif values is not None:
         state.load_canonical_values(values)
-
-
-def _snapshot_whole(model) -> tuple:
-    """Host copies of the model's weights and its optimizer's variables (stage 3: whole, read from shards)."""
-    optimizer_variables = list(model.optimizer.variables) if model.optimizer is not None else []
-    return (
-        [np.array(v.numpy()) for v in model.weights],
-        [(v, np.array(v.numpy())) for v in optimizer_variables],
-    )
-
-
-def _restore_whole(model, saved: tuple) -> None:
-    weights, optimizer_values = saved
-    for v, value in zip(model.weights, weights):
-        v.assign(value)
-    for v, value in optimizer_values:
-        v.assign(value)
 
 
 def canonical_optimizer_layout(optimizer, flat_variable, num_variables: int) -> list:
@@ -1105,8 +1100,8 @@ def sharded_parameters_path(step, data) -> None:
     )
 
 
-# Stage 3: parameters are shards on the replicas' devices (read whole in each replica), so a
-# replica's forward pass cannot compile as one XLA program holding them.
+# Stage 3: parameters are parts on the replicas' devices, not copies on each (a replica's XLA
+# program takes their gathered values as inputs: `gathers_parameters`).
 SHARDED_PARAMETERS = GradientPath(
     "sharded_parameters", sharded_parameters_path, _ShardsInPlace, variables_on_replicas=False,
     gathers_parameters=True,
