@@ -535,7 +535,9 @@ def _apply_to_shards(optimizer, grads: list, trainable_variables) -> None:
     scale = getattr(optimizer, "loss_scale_factor", None)
     if scale is not None:
         grads = [g if g is None else g / scale for g in grads]
-    update.apply_update(optimizer, kc.clip_gradients(optimizer, grads), list(trainable_variables), update.InPlace())
+    update.apply_update(
+        optimizer, kc.clip_gradients(optimizer, grads), list(trainable_variables), update.AtomicInPlace()
+    )
 
 
 def patch_training_of_sharded_variables() -> None:

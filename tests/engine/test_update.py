@@ -203,3 +203,101 @@ def test_float8_under_the_sharded_optimizer_is_refused_by_name():
         "(overwrite_with_gradient), and the flat slices hold optimizer-updated weights only. "
         "Train float8 models under mirrored, central_storage or multi_worker."
     )
+
+
+def _adam_steps(placement, optimizer, steps=5):
+    """`steps` updates of a small ReLU model's variables by `optimizer` through `placement`."""
+    from tfdist.engine import update
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(3)])
+    optimizer.build(model.trainable_variables)
+    x = np.random.RandomState(1).rand(16, 8).astype("float32")
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        update.apply_update(optimizer, grads, model.trainable_variables, placement)
+
+    for _ in range(steps):
+        step()
+    ops = step.get_concrete_function().graph.get_operations()
+    return [v.numpy() for v in model.weights + optimizer.variables], ops
+
+
+def _depends(op, on) -> bool:
+    """Whether `op` runs after `on` in its graph (a path of data or control edges)."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        if current is on:
+            return True
+        if current in seen:
+            continue
+        seen.add(current)
+        todo.extend(t.op for t in current.inputs)
+        todo.extend(current.control_inputs)
+    return False
+
+
+def _ops_on(ops, variable, op_type) -> list:
+    """The ops of `op_type` in `ops` whose resource input is `variable`'s captured handle."""
+    inner = {id(external): internal for external, internal in ops[0].graph.captures}
+    handle = inner[id(variable.value.handle)]
+    return [op for op in ops if op.type == op_type and op.inputs[0] is handle]
+
+
+def _slots(optimizer):
+    """Pairs (m, v) of Adam and AdamW, (m, u) of Adamax, one per variable."""
+    if isinstance(optimizer, keras.optimizers.Adamax):
+        return list(zip(optimizer._m, optimizer._u))
+    return list(zip(optimizer._momentums, optimizer._velocities))
+
+
+@pytest.mark.parametrize("make,second_write", [
+    (lambda: keras.optimizers.Adam(0.05), "AssignAddVariableOp"),
+    (lambda: keras.optimizers.AdamW(0.05, weight_decay=0.1), "AssignAddVariableOp"),
+    (lambda: keras.optimizers.Adamax(0.05), "AssignVariableOp"),
+], ids=["adam", "adamw", "adamax"])
+def test_parameter_server_placement_orders_adams_reads_and_writes_and_matches_keras(make, second_write):
+    # Workers update ps variables concurrently: a worker that reads another's new m must
+    # also read that worker's new v, or its step divides by a v without the square (where
+    # v was 0, lr * m / epsilon). So m is read before v, and v written before m.
+    from tfdist.engine import update
+
+    expected, _ = _adam_steps(update.InPlace(), make())
+    optimizer = make()
+    got, ops = _adam_steps(update.AtomicInPlace(), optimizer)
+    assert max_relative_difference(got, expected) == 0  # Keras's ops on the same values
+    for m, v in _slots(optimizer):
+        [m_read], [v_read] = _ops_on(ops, m, "ReadVariableOp"), _ops_on(ops, v, "ReadVariableOp")
+        [m_write], [v_write] = _ops_on(ops, m, "AssignAddVariableOp"), _ops_on(ops, v, second_write)
+        assert _depends(v_read, m_read) and _depends(m_write, v_write)
+
+    # Keras's own update_step orders neither: the race this placement closes.
+    optimizer = make()
+    _, ops = _adam_steps(update.InPlace(), optimizer)
+    for m, v in _slots(optimizer):
+        m_writes, v_writes = _ops_on(ops, m, "AssignAddVariableOp"), _ops_on(ops, v, second_write)
+        assert not any(_depends(w, v_w) for w in m_writes for v_w in v_writes)
+
+
+class OwnAdam(keras.optimizers.Adam):
+    def update_step(self, gradient, variable, learning_rate):
+        super().update_step(gradient, variable, learning_rate)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: keras.optimizers.Adam(0.05, amsgrad=True),
+    lambda: OwnAdam(0.05),
+    lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    lambda: keras.optimizers.Nadam(0.05),
+], ids=["amsgrad", "subclass", "sgd", "nadam"])
+def test_parameter_server_placement_runs_other_optimizers_own_update_step(make):
+    from tfdist.engine import update
+
+    expected, _ = _adam_steps(update.InPlace(), make())
+    got, _ = _adam_steps(update.AtomicInPlace(), make())
+    assert max_relative_difference(got, expected) == 0

@@ -301,6 +301,15 @@ def variable_parts(variable) -> list:
     return list(v.variables) if is_sharded(v) else [v]
 
 
+def raw_variable_parts(variable) -> list:
+    """`variable_parts`, each a plain TensorFlow variable: a ps variable's `CachingVariable`
+    wrapper (`tensorflow/python/distribute/ps_values.py`, whose reads may return a
+    per-step cached copy) unwrapped, so a read reads the variable now."""
+    from tensorflow.python.distribute.ps_values import CachingVariable
+
+    return [p.get() if isinstance(p, CachingVariable) else p for p in variable_parts(variable)]
+
+
 _PATCHED_VARIABLE_METHODS = ("numpy", "__array__", "assign_add", "assign_sub", "_serialize_to_tensors")
 
 
@@ -612,6 +621,29 @@ def slots_as_parts(optimizer, variable, index: int):
     finally:
         for values, i, entry in swapped:
             values[i] = entry
+
+
+def adam_family_slots(optimizer, variable):
+    """`(kind, first, second)`: the Keras slot variables of an Adam-family update, or None.
+
+    `kind` is "adam" (Adam, AdamW without AMSGrad: `first, second` = m, v) or
+    "adamax" (Adamax: m, u), and only when the optimizer's `update_step` is
+    Keras's own, whose formulas `tfdist.engine.update.ordered_update` repeats.
+    Reads Keras's private `_momentums`, `_velocities`, `_m`, `_u` and
+    `_get_variable_index` (Keras 3.x; tests/engine/test_update.py fails if
+    they move).
+    """
+    from keras.src.optimizers.adam import Adam
+    from keras.src.optimizers.adamax import Adamax
+
+    update_step = type(optimizer).update_step
+    if update_step is Adam.update_step and not optimizer.amsgrad:
+        index = optimizer._get_variable_index(variable)
+        return "adam", optimizer._momentums[index], optimizer._velocities[index]
+    if update_step is Adamax.update_step:
+        index = optimizer._get_variable_index(variable)
+        return "adamax", optimizer._m[index], optimizer._u[index]
+    return None
 
 
 def all_layers(model) -> list:

@@ -64,8 +64,9 @@ def parameter_server(step, data) -> None:
     step.apply(grads)
 
 
-# Each worker writes the ps variables from its own step, unsynchronised.
-PARAMETER_SERVER = GradientPath("parameter_server", parameter_server, lambda strategy: update.InPlace())
+# Each worker writes the ps variables from its own step, unsynchronised
+# (Adam's update of one variable locked, `AtomicInPlace`).
+PARAMETER_SERVER = GradientPath("parameter_server", parameter_server, lambda strategy: update.AtomicInPlace())
 
 
 # Step options the parameter-server step honours; the others must keep their defaults.
