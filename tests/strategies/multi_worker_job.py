@@ -32,7 +32,7 @@ import tfdist  # noqa: E402
 STEPS = 640  # 20 steps of 32
 
 
-def build(seed: int = 0):
+def build(seed: int = 0, **compile_kwargs):
     keras.utils.set_random_seed(seed)
     model = keras.Sequential(
         [keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)]
@@ -41,6 +41,7 @@ def build(seed: int = 0):
         optimizer=keras.optimizers.SGD(0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
+        **compile_kwargs,
     )
     return model
 
@@ -67,12 +68,14 @@ class Recorder(keras.callbacks.Callback):
         super().__init__()
         self.out, self.is_chief, self.crash = out, is_chief, crash
         self.epoch = 0
+        self.batch_logs = []  # every worker's per-batch logs
         self.attempt = int(os.environ.get("TFDIST_RESTART_COUNT", "0"))
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        self.batch_logs.append({k: float(v) for k, v in logs.items()})
         if self.crash and self.attempt == 0 and (self.epoch, batch) == self.crash:
             print(f"killing myself at epoch {self.epoch} batch {batch}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -84,6 +87,13 @@ class Recorder(keras.callbacks.Callback):
         if self.is_chief:
             with open(os.path.join(self.out, "epochs.log"), "a") as f:
                 f.write(f"{self.attempt} {epoch}\n")
+
+
+def collectives_in(graph) -> int:
+    """All-reduce ops in a traced function, its conditional and loop bodies included."""
+    graph_def = graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    return sum(n.op == "CollectiveReduceV2" for n in nodes)
 
 
 def main() -> None:
@@ -122,16 +132,20 @@ def main() -> None:
         "replicas": strategy.num_replicas_in_sync,
         "iterations": int(model.optimizer.iterations.numpy()),
         "history": history.history,
+        "batch_logs": callbacks[0].batch_logs,
+        "train_collectives": collectives_in(model.train_function.traced_graphs[-1]),
         "evaluate": model.evaluate(x, y, batch_size=50, verbose=0, return_dict=True),
         "predict": model.predict(x[:101], batch_size=32, verbose=0).tolist(),
     }
     weights = {f"keras3_{i}": w for i, w in enumerate(model.get_weights())}
 
     if args.tf_data:
+        # Four steps per host call: the metrics are read once per call, in one all-reduce.
         with strategy.scope():
-            data_model = build()
+            data_model = build(steps_per_execution=4)
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
-        data_model.fit(ds, epochs=1, verbose=0)
+        result["sink_history"] = data_model.fit(ds, epochs=1, verbose=0).history
+        result["sink_collectives"] = collectives_in(data_model.train_function.traced_graphs[-1])
         weights.update({f"tfdata_{i}": w for i, w in enumerate(data_model.get_weights())})
 
     if args.tf_keras:

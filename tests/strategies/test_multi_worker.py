@@ -47,16 +47,31 @@ def group(weights, prefix):
     return [weights[f"{prefix}_{i}"] for i in range(4)]
 
 
+class BatchLogs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append({k: float(v) for k, v in logs.items()})
+
+
 def mirrored_reference(x, y, epochs, tf_data=False, validation_data=None):
-    """The same model and global batch under single-process 2-replica mirrored."""
+    """The same model and global batch under single-process 2-replica mirrored.
+
+    Returns the model and its history, with the per-batch logs as `history.batch_logs`.
+    """
     strategy = tfdist.get_strategy("mirrored", devices=DEVICES[2])
     with strategy.scope():
         model = build_model()
+    batches = BatchLogs()
     if tf_data:
-        history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=epochs, verbose=0)
+        history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=epochs, verbose=0,
+                            callbacks=[batches])
     else:
         history = model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0,
-                            validation_data=validation_data)
+                            validation_data=validation_data, callbacks=[batches])
+    history.batch_logs = batches.logs
     return model, history
 
 
@@ -95,6 +110,17 @@ def test_two_workers_train_to_identical_weights_matching_mirrored(two_worker_job
     for key in ("accuracy", "val_accuracy"):
         np.testing.assert_allclose(chief["history"][key], history.history[key], rtol=1e-6)
     assert other["history"] == chief["history"]
+    # Every worker sees the same per-batch logs (a callback deciding on them decides alike
+    # everywhere), the global ones mirrored computes. They are read from the replicas'
+    # metric state summed in the step's gradient all-reduce: the train function holds one
+    # all-reduce (the gradients' one bucket, with the metrics) and TensorFlow's agreement
+    # on whether every worker has a batch left; Keras's reads would add one per metric
+    # variable (4: loss and accuracy, a total and a count each).
+    assert len(chief["batch_logs"]) == 40 and other["batch_logs"] == chief["batch_logs"]
+    for key, rtol in (("loss", 1e-5), ("accuracy", 1e-6)):
+        np.testing.assert_allclose([b[key] for b in chief["batch_logs"]],
+                                   [b[key] for b in history.batch_logs], rtol=rtol)
+    assert chief["train_collectives"] == 2
     ref_eval = reference.evaluate(x, y, batch_size=50, verbose=0, return_dict=True)
     assert chief["evaluate"]["accuracy"] == pytest.approx(ref_eval["accuracy"], abs=1e-7)
     assert chief["evaluate"]["loss"] == pytest.approx(ref_eval["loss"], rel=1e-5)
@@ -106,10 +132,17 @@ def test_two_workers_train_to_identical_weights_matching_mirrored(two_worker_job
 def test_tf_data_input_is_sharded_across_workers_and_matches_mirrored(two_worker_job, digits):
     status, out, _ = two_worker_job
     assert status == 0
-    _, chief_w = results(out, "worker0")
+    chief, chief_w = results(out, "worker0")
     x, y = digits[0][:640], digits[1][:640]
-    reference, _ = mirrored_reference(x, y, epochs=1, tf_data=True)
+    reference, history = mirrored_reference(x, y, epochs=1, tf_data=True)
     assert max_relative_difference(reference.get_weights(), group(chief_w, "tfdata")) < PARITY_RTOL
+    # Four steps per host call (steps_per_execution=4): the metrics are read once per call,
+    # all four variables in one all-reduce. The train function holds 4 all-reduces: that
+    # read, the step's bucket (in the loop body) and TensorFlow's agreement on whether every
+    # worker has a batch left, before the loop and in it. Keras's reads would be 4, not 1.
+    np.testing.assert_allclose(chief["sink_history"]["loss"], history.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(chief["sink_history"]["accuracy"], history.history["accuracy"], rtol=1e-6)
+    assert chief["sink_collectives"] == 4
 
 
 @pytest.mark.cluster

@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat import keras as kc
+from tfdist.engine import step as step_lib
 from tfdist.engine.custom import CustomTrainStep
 from tfdist.engine.step import TrainStep
 
@@ -168,6 +169,28 @@ def _sinks_whole_epochs(model) -> bool:
     return getattr(options, "sink_size", None) == "epoch"
 
 
+def packed_metrics_result(model) -> dict:
+    """Cross-replica context: `model.get_metrics_result()` with one all-reduce for every metric variable.
+
+    Keras's read sums each `on_read` metric variable over the replicas with a
+    collective of its own (2 for a Mean, 4 with an accuracy); across workers
+    each is a round trip. The replicas' values are summed in one buffer
+    instead; metrics that cannot share one (`step.metric_variables`) are read
+    as Keras reads them.
+    """
+    variables = step_lib.metric_variables(model)
+    if variables is None:
+        return model.get_metrics_result()
+    strategy = model.distribute_strategy
+
+    def replica_fn():
+        state = step_lib.local_metric_state(variables)
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, state)
+
+    summed = strategy.experimental_local_results(strategy.run(replica_fn))[0]
+    return step_lib.metrics_result_from_state(model, variables, summed)
+
+
 def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callable:
     """Returns `function(iterator) -> logs` running up to `steps_per_call` steps.
 
@@ -180,7 +203,8 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
             remaining batch.
 
     The function raises `StopIteration` when the iterator is exhausted before
-    the first step, as Keras's epoch iterator expects.
+    the first step, as Keras's epoch iterator expects. Its `traced_graphs`
+    attribute lists the graphs traced for it, newest last.
     """
     whole_epochs = _sinks_whole_epochs(model)
 
@@ -192,29 +216,56 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
     # own. Costs a second trace, for models with an Embedding only.
     odd_batch_fn = step_fn if (steps_per_call > 1 or whole_epochs) and gathers_rows(model) else None
 
+    # Across processes each metric variable read is an all-reduce of its own:
+    # reads are packed into one (`metrics_result`), and where a step's metrics
+    # are read after every step, its state rides in the gradients' all-reduce.
+    across_processes = step_lib.reads_metrics_across_processes(model.distribute_strategy)
+    if type(step_fn) is TrainStep:  # a custom train_step updates its metrics after its apply
+        step_fn.metrics_ride = across_processes and steps_per_call == 1 and not whole_epochs
+
+    def metrics_result():
+        if not across_processes:
+            return model.get_metrics_result()
+        return packed_metrics_result(model)
+
+    # The graphs traced for this function, newest last (for tools and tests
+    # that count what one call runs: `function.traced_graphs`).
+    traced_graphs = []
+
     @tf.autograph.experimental.do_not_convert
     def many_steps(iterator, max_steps):
+        traced_graphs.append(tf.compat.v1.get_default_graph())
         done = run_steps(iterator, step_fn, max_steps, odd_batch_fn)
-        return done, model.get_metrics_result()
+        return done, metrics_result()
 
     @tf.autograph.experimental.do_not_convert
     def one_step(iterator, max_steps):
         # One step per call: no while loop (its Enter/Exit/NextIteration nodes,
         # one per loop-invariant variable, and a second get_next were ~160
         # executed nodes of overhead per call, issue 16).
+        traced_graphs.append(tf.compat.v1.get_default_graph())
         optional = iterator.get_next_as_optional()
+        rode = []
 
         def run():
-            step_fn(optional.get_value())
-            return tf.constant(1)
+            state = step_fn(optional.get_value())
+            if isinstance(step_fn, TrainStep) and step_fn.ride_variables is not None:
+                rode.append(state)
+                return tf.constant(1), state
+            return tf.constant(1), tf.zeros([0])
 
-        done = tf.cond(optional.has_value(), run, lambda: tf.constant(0))
-        return done, model.get_metrics_result()
+        # The untaken branch's state is never read: its call raises StopIteration.
+        done, state = tf.cond(
+            optional.has_value(), run, lambda: (tf.constant(0), tf.zeros([rode[0].shape[0] if rode else 0]))
+        )
+        if rode:
+            return done, step_lib.metrics_result_from_state(model, step_fn.ride_variables, state)
+        return done, metrics_result()
 
     @tf.autograph.experimental.do_not_convert
     def on_data(data):
         step_fn(data)
-        return model.get_metrics_result()
+        return metrics_result()
 
     # Also for one step per call: with a plain `get_next()` the ops of the step
     # that do not depend on the batch (the optimizer's iteration count) still
@@ -269,6 +320,7 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
             raise StopIteration
         return logs
 
+    function.traced_graphs = traced_graphs
     return function
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Callable
 
 import keras
@@ -109,6 +110,48 @@ def regroup(variable, part_grads: list):
         offset += int(part.shape[0])
     return tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0), tf.constant([int(d) for d in variable.shape], tf.int64))
 
+
+
+# ---------------------------------------------------------------------------
+# Metrics across processes: one collective per read, or none.
+# ---------------------------------------------------------------------------
+def reads_metrics_across_processes(strategy) -> bool:
+    """Whether reading a metric in cross-replica context sums replicas in other processes.
+
+    Keras's metric variables are `on_read` and summed when read: under
+    several local devices by an `AddN`, across workers by one all-reduce per
+    variable (a Mean alone has two), each a round trip between the workers.
+    """
+    return len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync
+
+
+def metric_variables(model) -> list | None:
+    """The model's metric variables in a fixed order, or None if they cannot travel as one buffer.
+
+    They travel together when every one is float32, summed on read (Keras's
+    default aggregation) and of a known shape; the summed buffer then holds
+    exactly what Keras's cross-replica read of each would return.
+    """
+    variables = [v for metric in model.metrics for v in metric.variables]
+    if not variables:
+        return None
+    for v in variables:
+        if v.aggregation != "sum" or v.dtype != "float32" or any(d is None for d in v.shape):
+            return None
+    return variables
+
+
+def local_metric_state(variables) -> tf.Tensor:
+    """Replica context: this replica's values of `variables` in one flat float32 vector."""
+    return tf.concat([tf.reshape(tf.convert_to_tensor(kc.tf_variable(v)), [-1]) for v in variables], axis=0)
+
+
+def metrics_result_from_state(model, variables, flat) -> dict:
+    """`model.get_metrics_result()` computed from `flat`, the replicas' summed `variables` (no collective)."""
+    sizes = [math.prod(v.shape) for v in variables]
+    values = [tf.reshape(piece, v.shape) for piece, v in zip(tf.split(flat, sizes), variables)]
+    with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+        return model.get_metrics_result()
 
 
 def accumulation_steps(model) -> int:
@@ -227,6 +270,11 @@ class TrainStep:
             and not synchronized_layers
         )
         self._compiled_step = None
+        # Set by the host loop (`tfdist.engine.loop`) where metrics are read
+        # after every step across processes: the replicas' metric state then
+        # travels in the gradients' all-reduce (`metric_riders`).
+        self.metrics_ride = False
+        self.ride_variables: list | None = None
         # Several replicas under XLA: each replica's forward and backward pass
         # is one compiled program (one per replica, each traced in its own
         # replica thread); gradients cross devices outside it. Per-op marking
@@ -462,6 +510,22 @@ class TrainStep:
             return self.accumulation.update()
         return self.compute_gradients(data)
 
+    def metric_riders(self) -> list:
+        """Replica context: `[this replica's metric state]` to sum with the gradients, or `[]`.
+
+        Where the host loop reads the metrics after each step across processes
+        (`metrics_ride`), their state joins the gradients' first bucket (the
+        metrics are updated after the forward pass, before backprop ends), so
+        the read costs no collective of its own. Not with a compressed
+        exchange (the sums would be rounded to the wire dtype) nor under
+        accumulation (most micro-steps reduce nothing).
+        """
+        self.ride_variables = None
+        if not self.metrics_ride or self.accumulation is not None or self.options.allreduce_dtype != "float32":
+            return []
+        self.ride_variables = metric_variables(self.model)
+        return [] if self.ride_variables is None else [local_metric_state(self.ride_variables)]
+
     # Phase 3 ---------------------------------------------------------------
     def finish(self, summed: list) -> list:
         """Turns summed `[weighted grads..., weight]` into the gradient to apply."""
@@ -501,15 +565,16 @@ class TrainStep:
         ctx = tf.distribute.get_replica_context()
         ctx.merge_call(lambda strategy, g: self.apply(list(g)), args=(tuple(grads),))
 
-    def __call__(self, data) -> None:
+    def __call__(self, data):
+        """Runs one step; returns the replicas' summed metric state if it rode along, else None."""
         path = self.strategy.gradient_path
         with self.strategy.scope():
             if self._compiled_step is not None:
                 self.strategy.run(self._compiled_step, args=(data,))
                 return
             if self.accumulation is None:
-                path(self, data)
-                return
+                # The replicas' summed metric state where it rode with the gradients.
+                return path(self, data)
 
             # The forward and backward pass runs (and is traced, and compiled)
             # once, outside the conditional; only the last micro-step of a
@@ -554,21 +619,28 @@ class GradientPath:
     variables_on_replicas: bool = True
     gathers_parameters: bool = False
 
-    def __call__(self, step, data) -> None:
-        self.run(step, data)
+    def __call__(self, step, data):
+        return self.run(step, data)
 
 
-def all_reduce(step, data) -> None:
-    """Every replica sums all replicas' gradients, then every copy is updated alike."""
+def all_reduce(step, data):
+    """Every replica sums all replicas' gradients, then every copy is updated alike.
+
+    Returns the replicas' summed metric state where it rode in the same
+    all-reduce (`TrainStep.metric_riders`), else None.
+    """
 
     def replica_fn(batch):
+        values = step.local_gradients(batch)
+        riders = step.metric_riders()
         summed = collectives.all_reduce_sum(
-            step.local_gradients(batch), step.options.bucket_bytes, step.options.allreduce_dtype
+            values + riders, step.options.bucket_bytes, step.options.allreduce_dtype
         )
-        return step.finish(summed)
+        return step.finish(summed[: len(values)]), summed[len(values):]
 
-    grads = step.strategy.run(replica_fn, args=(data,))
+    grads, riders = step.strategy.run(replica_fn, args=(data,))
     step.apply(grads)
+    return step.strategy.experimental_local_results(riders[0])[0] if riders else None
 
 
 def reduce_to_variables(step, data) -> None:
