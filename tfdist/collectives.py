@@ -15,6 +15,7 @@ device on CPU).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -31,6 +32,18 @@ trace_counter = {"all_reduce": 0, "reduce_to": 0, "all_reduce_bytes": 0}
 def traced_collective_count() -> int:
     """Collectives traced so far, of every kind (the counters of `trace_counter` that count calls)."""
     return sum(v for k, v in trace_counter.items() if not k.endswith("_bytes"))
+
+
+def collective_ops_in(graph) -> collections.Counter:
+    """How many collective ops of each type a traced graph holds, its conditional and loop bodies included.
+
+    `graph`: a `tf.Graph`, e.g. one of a host function's `traced_graphs`
+    (`tfdist.engine.loop.make_host_function`). Counts op types starting with
+    "Collective" (`CollectiveReduceV2`, `CollectiveGatherV2`, ...).
+    """
+    graph_def = graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    return collections.Counter(n.op for n in nodes if n.op.startswith("Collective"))
 
 
 _ONE_COLLECTIVE_PER_BUFFER = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=1)

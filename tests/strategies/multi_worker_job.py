@@ -28,6 +28,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 
 import tfdist  # noqa: E402
+from tfdist.collectives import collective_ops_in  # noqa: E402
 
 STEPS = 640  # 20 steps of 32
 
@@ -89,13 +90,6 @@ class Recorder(keras.callbacks.Callback):
                 f.write(f"{self.attempt} {epoch}\n")
 
 
-def collectives_in(graph) -> int:
-    """All-reduce ops in a traced function, its conditional and loop bodies included."""
-    graph_def = graph.as_graph_def()
-    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
-    return sum(n.op == "CollectiveReduceV2" for n in nodes)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -133,7 +127,7 @@ def main() -> None:
         "iterations": int(model.optimizer.iterations.numpy()),
         "history": history.history,
         "batch_logs": callbacks[0].batch_logs,
-        "train_collectives": collectives_in(model.train_function.traced_graphs[-1]),
+        "train_collectives": collective_ops_in(model.train_function.traced_graphs[-1]),
         "evaluate": model.evaluate(x, y, batch_size=50, verbose=0, return_dict=True),
         "predict": model.predict(x[:101], batch_size=32, verbose=0).tolist(),
     }
@@ -145,7 +139,7 @@ def main() -> None:
             data_model = build(steps_per_execution=4)
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
         result["sink_history"] = data_model.fit(ds, epochs=1, verbose=0).history
-        result["sink_collectives"] = collectives_in(data_model.train_function.traced_graphs[-1])
+        result["sink_collectives"] = collective_ops_in(data_model.train_function.traced_graphs[-1])
         weights.update({f"tfdata_{i}": w for i, w in enumerate(data_model.get_weights())})
 
     if args.tf_keras:

@@ -56,6 +56,7 @@ def main() -> None:
 
     import tfdist
     from tfdist._compat import keras as kc
+    from tfdist.collectives import collective_ops_in
 
     x, y = data()
     result = {}
@@ -69,7 +70,7 @@ def main() -> None:
         task = f"{cfg.task_type}{cfg.task_id}"
         with strategy.scope():
             model = build()
-        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         state = kc.sharded_state(model.optimizer)
         # Collectives: every worker gathers, saves and checkpoints, in the same order.
         canonical = state.canonical_values()
@@ -90,6 +91,8 @@ def main() -> None:
             "iterations": int(model.optimizer.iterations.numpy()),
             "shard_size": state.layout.shard_size,
             "memory": tfdist.memory_report(model),
+            "loss": history.history["loss"],
+            "collectives": collective_ops_in(model.train_function.traced_graphs[-1]),
         }
     with open(os.path.join(args.out, f"{task}.json"), "w") as f:
         json.dump(result, f)

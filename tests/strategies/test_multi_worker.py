@@ -120,7 +120,7 @@ def test_two_workers_train_to_identical_weights_matching_mirrored(two_worker_job
     for key, rtol in (("loss", 1e-5), ("accuracy", 1e-6)):
         np.testing.assert_allclose([b[key] for b in chief["batch_logs"]],
                                    [b[key] for b in history.batch_logs], rtol=rtol)
-    assert chief["train_collectives"] == 2
+    assert chief["train_collectives"] == {"CollectiveReduceV2": 2}
     ref_eval = reference.evaluate(x, y, batch_size=50, verbose=0, return_dict=True)
     assert chief["evaluate"]["accuracy"] == pytest.approx(ref_eval["accuracy"], abs=1e-7)
     assert chief["evaluate"]["loss"] == pytest.approx(ref_eval["loss"], rel=1e-5)
@@ -142,7 +142,7 @@ def test_tf_data_input_is_sharded_across_workers_and_matches_mirrored(two_worker
     # worker has a batch left, before the loop and in it. Keras's reads would be 4, not 1.
     np.testing.assert_allclose(chief["sink_history"]["loss"], history.history["loss"], rtol=1e-5)
     np.testing.assert_allclose(chief["sink_history"]["accuracy"], history.history["accuracy"], rtol=1e-6)
-    assert chief["sink_collectives"] == 4
+    assert chief["sink_collectives"] == {"CollectiveReduceV2": 4}
 
 
 @pytest.mark.cluster

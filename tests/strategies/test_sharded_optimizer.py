@@ -807,8 +807,16 @@ def test_two_workers_train_stages_1_and_2_like_one_process_and_save_the_full_sta
         # The same run in this process: 2 local replicas, same global batch and data.
         with sharded(2, stage=stage).scope():
             reference = job.build()
-        reference.fit(x, y, batch_size=job.BATCH, epochs=1, shuffle=False, verbose=0)
+        history = reference.fit(x, y, batch_size=job.BATCH, epochs=1, shuffle=False, verbose=0)
         assert max_relative_difference(reference.get_weights(), weights) < 1e-5
+        np.testing.assert_allclose(chief["loss"], history.history["loss"], rtol=1e-5)
+        # One step's collectives: the gradients' one bucket with the total weight and the loss
+        # metric's state (stage 1), or the reduce-scatter's bucket (an all-reduce on CPU) and
+        # one all-reduce of the weight and the metric state (stage 2); the all-gather of the
+        # updated slices (TensorFlow's: their lengths, then the values); TensorFlow's agreement
+        # on whether every worker has a batch left. Keras's read of the loss would add 2.
+        reduces = {1: 2, 2: 3}[stage]
+        assert chief["collectives"] == {"CollectiveReduceV2": reduces, "CollectiveGatherV2": 2}
         assert max_relative_difference(canonical(reference), state) < 1e-5
 
         # The chief's files hold the full state and load on one device.

@@ -709,19 +709,29 @@ class ShardedState:
         return children
 
     # The step ----------------------------------------------------------------
-    def reduce(self, bucket_bytes: int, values: list) -> list:
-        """Replica context: `[weighted grads..., weight]` -> `[this replica's summed slice, total weight]`."""
+    def reduce(self, bucket_bytes: int, values: list, riders: list = ()) -> list:
+        """Replica context: `[weighted grads..., weight]` -> `[this replica's summed slice, total weight]`.
+
+        `riders` (the step's metric state, `TrainStep.metric_riders`) are summed
+        over the replicas in the same all-reduce as the gradients (stage 1) or
+        the total weight (stage 2) and returned after the two.
+        """
         ctx = tf.distribute.get_replica_context()
         replica = tf.get_static_value(ctx.replica_id_in_sync_group)
         grads = values[:-1]
+        riders = list(riders)
         if self.strategy.stage == 1:
-            summed = collectives.all_reduce_sum(values, bucket_bytes, self.strategy.options.allreduce_dtype)
+            summed = collectives.all_reduce_sum(
+                values + riders, bucket_bytes, self.strategy.options.allreduce_dtype
+            )
+            riders, summed = summed[len(values):], summed[: len(values)]
             grads = summed[:-1]
             shard = gather_shard(self.layout, dense_only(grads), replica)
             total = summed[-1]
         else:
             shard = collectives.reduce_scatter_sum(dense_only(grads), self.layout)
-            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values[-1])
+            # One collective for the weight and the riders (TensorFlow packs one call's values).
+            total, *riders = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [values[-1]] + riders)
             if has_sparse(grads):
                 # Sparse rows are all-gathered, as under mirrored, never densified.
                 grads = collectives.all_reduce_sum(
@@ -729,7 +739,7 @@ class ShardedState:
                 )
         if has_sparse(grads):
             shard = gather_shard_slices(self.layout, shard, grads, replica)
-        return [shard, total]
+        return [shard, total] + riders
 
     def gradient_buffer_estimate(self) -> int:
         """Bytes of reduced gradient one replica's step holds at most (not counting sparse rows).
@@ -968,15 +978,22 @@ _SLOT_ATTRIBUTES = {
 }
 
 
-def sharded_optimizer_path(step, data) -> None:
-    """The gradient path of `ShardedOptimizerStrategy`: reduce to slices, update slices, all-gather."""
+def sharded_optimizer_path(step, data):
+    """The gradient path of `ShardedOptimizerStrategy`: reduce to slices, update slices, all-gather.
+
+    Returns the replicas' summed metric state where it rode in the reduction
+    (`TrainStep.metric_riders`), else None.
+    """
     state = kc.sharded_state(step.optimizer)
 
     def replica_fn(batch):
-        return step.finish(state.reduce(step.options.bucket_bytes, step.local_gradients(batch)))
+        values = step.local_gradients(batch)
+        shard, total, *riders = state.reduce(step.options.bucket_bytes, values, step.metric_riders())
+        return step.finish([shard, total]), riders
 
-    grads = step.strategy.run(replica_fn, args=(data,))
+    grads, riders = step.strategy.run(replica_fn, args=(data,))
     step.apply(grads, update_fn=state.apply_reduced)
+    return step.strategy.experimental_local_results(riders[0])[0] if riders else None
 
 
 
