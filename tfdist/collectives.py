@@ -21,6 +21,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tfdist._compat import tf as tfc
+
 # Every reduction this module issues is counted at trace time, so tests can
 # assert how many collectives one step contains without timing anything.
 # `all_reduce` counts per replica (each replica traces its own call);
@@ -363,7 +365,8 @@ def all_gather_shards(shard):
     """Concatenates every replica's equal-sized 1-D `shard` in replica order.
 
     Call in replica context; every replica receives the whole vector
-    (`CollectiveGatherV2`, which TensorFlow implements on CPU and GPU).
+    (one `CollectiveGatherV2`, which TensorFlow implements on CPU and GPU,
+    where the strategy's cross-device ops are collective ops).
     """
     ctx = tf.distribute.get_replica_context()
     if ctx is None:
@@ -376,4 +379,5 @@ def all_gather_shards(shard):
         # ("destinations can not be empty").
         with tf.device(devices[0]):
             shard = tf.identity(shard)
-    return ctx.all_gather(shard, axis=0)
+    # Equal shards: one collective, not TensorFlow's two (shapes, then values).
+    return tfc.all_gather_equal_shapes(shard)

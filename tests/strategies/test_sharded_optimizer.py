@@ -813,10 +813,11 @@ def test_two_workers_train_stages_1_and_2_like_one_process_and_save_the_full_sta
         # One step's collectives: the gradients' one bucket with the total weight and the loss
         # metric's state (stage 1), or the reduce-scatter's bucket (an all-reduce on CPU) and
         # one all-reduce of the weight and the metric state (stage 2); the all-gather of the
-        # updated slices (TensorFlow's: their lengths, then the values); TensorFlow's agreement
-        # on whether every worker has a batch left. Keras's read of the loss would add 2.
+        # updated slices, one collective (TensorFlow's all_gather would first gather their
+        # lengths); TensorFlow's agreement on whether every worker has a batch left. Keras's
+        # read of the loss would add 2.
         reduces = {1: 2, 2: 3}[stage]
-        assert chief["collectives"] == {"CollectiveReduceV2": reduces, "CollectiveGatherV2": 2}
+        assert chief["collectives"] == {"CollectiveReduceV2": reduces, "CollectiveGatherV2": 1}
         assert max_relative_difference(canonical(reference), state) < 1e-5
 
         # The chief's files hold the full state and load on one device.

@@ -492,3 +492,41 @@ def cpu_devices_per_worker(k: int):
         yield
     finally:
         extended._initialize_local_devices = original
+
+
+def all_gather_equal_shapes(value):
+    """Replica context: every replica's `value` concatenated along axis 0, in one collective.
+
+    `ReplicaContext.all_gather` lets the replicas' first dimensions differ, so
+    over collective ops it gathers every replica's shape first and then the
+    padded values: two collectives, each a round trip between workers
+    (`CollectiveReplicaLauncher.all_gather`, tensorflow/python/distribute/
+    cross_device_utils.py, TensorFlow 2.16 to 2.21). Where every replica's
+    `value` has the same static shape (the sharded optimizer's equal chunks)
+    the second is the whole gather: this calls each local device's
+    `CollectiveReplicaLauncher._all_gather` directly (same group, keys and
+    ordering token as TensorFlow's own). Other cross-device ops (a reduction
+    to one device on a CPU-only MirroredStrategy) gather as TensorFlow does.
+    """
+    from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+    from tensorflow.python.distribute import values as values_lib
+
+    ctx = tf.distribute.get_replica_context()
+    extended = ctx.strategy.extended
+    get_ops = getattr(extended, "_get_cross_device_ops", None)
+    cross = get_ops(value) if get_ops is not None else None
+    launchers = getattr(cross, "_launchers", None)
+    if (
+        not isinstance(cross, cross_device_ops_lib.CollectiveAllReduce)
+        or launchers is None
+        or len(launchers) != len(extended.worker_devices)
+        or not value.shape.is_fully_defined()
+        or not all(hasattr(launcher, "_all_gather") for launcher in launchers)
+    ):
+        return ctx.all_gather(value, axis=0)
+
+    def gather(strategy, per_replica):
+        parts = strategy.experimental_local_results(per_replica)
+        return values_lib.PerReplica([launcher._all_gather(part, None) for launcher, part in zip(launchers, parts)])
+
+    return ctx.merge_call(gather, args=(value,))
