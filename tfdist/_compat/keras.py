@@ -624,26 +624,39 @@ def slots_as_parts(optimizer, variable, index: int):
 
 
 def adam_family_slots(optimizer, variable):
-    """`(kind, first, second)`: the Keras slot variables of an Adam-family update, or None.
+    """`(kind, slots)`: the Keras slot variables of an Adam-family update of `variable`, or None.
 
-    `kind` is "adam" (Adam, AdamW without AMSGrad: `first, second` = m, v) or
-    "adamax" (Adamax: m, u), and only when the optimizer's `update_step` is
-    Keras's own, whose formulas `tfdist.engine.update.ordered_update` repeats.
-    Reads Keras's private `_momentums`, `_velocities`, `_m`, `_u` and
+    `kind` is "adam" (Adam, AdamW; slots m, v, and v_hat with AMSGrad),
+    "adamax" (m, u) or "nadam" (m, v), the numerator m first, and only when
+    the optimizer's `update_step` is Keras's own, whose formulas
+    `tfdist.engine.update.ordered_update` repeats. Reads Keras's private
+    `_momentums`, `_velocities`, `_velocity_hats`, `_m`, `_u` and
     `_get_variable_index` (Keras 3.x; tests/engine/test_update.py fails if
     they move).
     """
     from keras.src.optimizers.adam import Adam
     from keras.src.optimizers.adamax import Adamax
+    from keras.src.optimizers.nadam import Nadam
 
     update_step = type(optimizer).update_step
-    if update_step is Adam.update_step and not optimizer.amsgrad:
+    if update_step is Adam.update_step:
         index = optimizer._get_variable_index(variable)
-        return "adam", optimizer._momentums[index], optimizer._velocities[index]
+        slots = [optimizer._momentums[index], optimizer._velocities[index]]
+        if optimizer.amsgrad:
+            slots.append(optimizer._velocity_hats[index])
+        return "adam", slots
     if update_step is Adamax.update_step:
         index = optimizer._get_variable_index(variable)
-        return "adamax", optimizer._m[index], optimizer._u[index]
+        return "adamax", [optimizer._m[index], optimizer._u[index]]
+    if update_step is Nadam.update_step:
+        index = optimizer._get_variable_index(variable)
+        return "nadam", [optimizer._momentums[index], optimizer._velocities[index]]
     return None
+
+
+def nadam_u_product(optimizer):
+    """Nadam's momentum-cache product variable (Keras's private `_u_product`)."""
+    return optimizer._u_product
 
 
 def all_layers(model) -> list:

@@ -510,17 +510,17 @@ class AtomicInPlace(InPlace):
     was 0 (a ReLU unit or an embedding row this worker's batch left untouched)
     its step is `lr * m / epsilon`, about 1e4 times too large, and training
     diverged (the digits MLP's test loss 3.6 instead of 0.13-0.18 in a CI run,
-    the zoo's recommender in 2 of 27 runs). Adamax's max-norm u has the same
-    hazard.
+    the zoo's recommender in 2 of 27 runs). Adam with AMSGrad, Adamax (its
+    max-norm u) and Nadam have the same hazard.
 
     Here the update computes Keras's formulas (the same `keras.ops` on the same
-    values, so one worker's result is Keras's to the bit) from one read of m
-    and one of v, m read first, and writes v before m: a worker that reads
-    another's new m then reads v after that worker's v write, so the m and v
-    it divides always hold the same updates (TensorFlow's `ResourceApplyAdam`
-    would lock instead, but squares a sparse gradient after summing its
-    duplicate rows, where Keras sums the squares). Other optimizers run their
-    own `update_step`, unordered.
+    values, so one worker's result is Keras's to the bit) from one read of each
+    slot, the numerator m first, and writes the slots in the opposite order,
+    m last: a worker that reads another's new m then reads the denominators
+    after that worker wrote them, so the m and v it divides always hold the
+    same updates (TensorFlow's `ResourceApplyAdam` would lock instead, but
+    squares a sparse gradient after summing its duplicate rows, where Keras
+    sums the squares). Other optimizers run their own `update_step`, unordered.
     """
 
     def update_step(self, optimizer, variable, grad, learning_rate) -> None:
@@ -545,38 +545,90 @@ def _write(variable, value, method: str) -> list:
     return [getattr(p, method)(piece) for p, piece in zip(parts, pieces)]
 
 
-def ordered_update(optimizer, variable, slots, grad, learning_rate) -> None:
-    """Keras's Adam (Adam, AdamW) or Adamax step of `variable`: m read before v, v written before m.
-
-    Mirrors `keras.optimizers.Adam.update_step` and `Adamax.update_step` op
-    for op, with the slot variables replaced by one read each; the variable
-    itself takes the step from those reads (`assign_sub`).
-    """
+def _adam(optimizer, dtype, lr, gradient, m, v, v_hat=None):
+    """`keras.optimizers.Adam.update_step` on slot values: `(slot writes, step)`."""
     ops = keras.ops
-    kind, first, second = slots
-    dtype = kc.raw_variable_parts(variable)[0].dtype
-    lr = ops.cast(learning_rate, dtype)
-    gradient = ops.cast(grad, dtype)
     local_step = ops.cast(optimizer.iterations + 1, dtype)
     beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), local_step)
-    m = _read(first)
-    with tf.control_dependencies([m]):
-        second_value = _read(second)
+    beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), local_step)
+    alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     m_delta = ops.multiply(ops.subtract(gradient, m), 1 - optimizer.beta_1)
-    m_new = m + m_delta
-    if kind == "adam":
-        beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), local_step)
-        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        v_delta = ops.multiply(ops.subtract(ops.square(gradient), second_value), 1 - optimizer.beta_2)
-        v_new = second_value + v_delta
-        step = ops.divide(ops.multiply(m_new, alpha), ops.add(ops.sqrt(v_new), optimizer.epsilon))
-        second_written = _write(second, v_delta, "assign_add")
-    else:  # adamax
-        u_new = ops.maximum(ops.multiply(optimizer.beta_2, second_value), ops.abs(gradient))
-        step = ops.divide(ops.multiply(lr, m_new), ops.multiply(1 - beta_1_power, ops.add(u_new, optimizer.epsilon)))
-        second_written = _write(second, u_new, "assign")
-    with tf.control_dependencies(second_written):
-        _write(first, m_delta, "assign_add")
+    v_delta = ops.multiply(ops.subtract(ops.square(gradient), v), 1 - optimizer.beta_2)
+    m, v = m + m_delta, v + v_delta
+    writes = [(m_delta, "assign_add"), (v_delta, "assign_add")]
+    if v_hat is not None:  # AMSGrad
+        v = ops.maximum(v_hat, v)
+        writes.append((v, "assign"))
+    return writes, ops.divide(ops.multiply(m, alpha), ops.add(ops.sqrt(v), optimizer.epsilon))
+
+
+def _adamax(optimizer, dtype, lr, gradient, m, u):
+    """`keras.optimizers.Adamax.update_step` on slot values: `(slot writes, step)`."""
+    ops = keras.ops
+    local_step = ops.cast(optimizer.iterations + 1, dtype)
+    beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), local_step)
+    m_delta = ops.multiply(ops.subtract(gradient, m), 1 - optimizer.beta_1)
+    m = m + m_delta
+    u = ops.maximum(ops.multiply(optimizer.beta_2, u), ops.abs(gradient))
+    step = ops.divide(ops.multiply(lr, m), ops.multiply(1 - beta_1_power, ops.add(u, optimizer.epsilon)))
+    return [(m_delta, "assign_add"), (u, "assign")], step
+
+
+def _nadam(optimizer, dtype, lr, gradient, m, v):
+    """`keras.optimizers.Nadam.update_step` on slot values: `(slot writes, step)`.
+
+    Its momentum-cache product (`_u_product`, one scalar) is advanced once per
+    step before the variables' updates (`kc.advance_per_step_state`).
+    """
+    ops = keras.ops
+    local_step = ops.cast(optimizer.iterations + 1, dtype)
+    next_step = ops.cast(optimizer.iterations + 2, dtype)
+    decay = ops.cast(0.96, dtype)
+    beta_1 = ops.cast(optimizer.beta_1, dtype)
+    beta_2 = ops.cast(optimizer.beta_2, dtype)
+    u_t = beta_1 * (1.0 - 0.5 * (ops.power(decay, local_step)))
+    u_t_1 = beta_1 * (1.0 - 0.5 * (ops.power(decay, next_step)))
+    u_product_t = ops.cast(kc.nadam_u_product(optimizer), dtype)
+    u_product_t_1 = u_product_t * u_t_1
+    beta_2_power = ops.power(beta_2, local_step)
+    m_delta = ops.multiply(ops.subtract(gradient, m), (1 - beta_1))
+    v_delta = ops.multiply(ops.subtract(ops.square(gradient), v), (1 - beta_2))
+    m, v = m + m_delta, v + v_delta
+    m_hat = ops.add(
+        ops.divide(ops.multiply(u_t_1, m), 1 - u_product_t_1),
+        ops.divide(ops.multiply(1 - u_t, gradient), 1 - u_product_t),
+    )
+    v_hat = ops.divide(v, (1 - beta_2_power))
+    step = ops.divide(ops.multiply(m_hat, lr), ops.add(ops.sqrt(v_hat), optimizer.epsilon))
+    return [(m_delta, "assign_add"), (v_delta, "assign_add")], step
+
+
+_FORMULAS = {"adam": _adam, "adamax": _adamax, "nadam": _nadam}
+
+
+def ordered_update(optimizer, variable, slots, grad, learning_rate) -> None:
+    """Keras's Adam-family step of `variable`: slots read m first, written m last.
+
+    `slots` is `kc.adam_family_slots`'s `(kind, [m, ...])`. Mirrors the
+    optimizer's `update_step` op for op (`_adam`, `_adamax`, `_nadam`), with
+    each slot variable replaced by one read of it; the variable itself takes
+    the step from those reads (`assign_sub`).
+    """
+    kind, slot_variables = slots
+    dtype = kc.raw_variable_parts(variable)[0].dtype
+    values, after = [], []
+    for slot in slot_variables:
+        with tf.control_dependencies(after):
+            value = _read(slot)
+        values.append(value)
+        after = [value]
+    writes, step = _FORMULAS[kind](
+        optimizer, dtype, keras.ops.cast(learning_rate, dtype), keras.ops.cast(grad, dtype), *values
+    )
+    after = []
+    for slot, (value, method) in reversed(list(zip(slot_variables, writes))):
+        with tf.control_dependencies(after):
+            after = _write(slot, value, method)
     _write(variable, step, "assign_sub")
 
 
