@@ -1,13 +1,20 @@
 """One process of the multi-worker sharded-optimizer test job (started by `tfdist.launch.run_job`).
 
-For stage 1, then stage 2: trains `build()` (the digits classifier, Adam)
-for 20 steps under `tfdist.get_strategy("sharded_optimizer", stage=...)`,
+For `--stage k` (1 or 2): trains `build()` (the digits classifier, Adam)
+for 20 steps under `tfdist.get_strategy("sharded_optimizer", stage=k)`,
 which TF_CONFIG (stage 1) or `cluster_resolver=` (stage 2) turns into the
 multi-worker variant, and writes to `--out`:
 `<task>_stage<k>.npz` (final weights `w_i` and the canonical optimizer state
-`opt_i`, gathered across workers), `<task>.json` (replicas, iterations,
-memory report) and, from every worker but kept by the chief only,
-`stage<k>.keras` and the `tf.train.Checkpoint` `ckpt_stage<k>`.
+`opt_i`, gathered across workers), `<task>_stage<k>.json` (replicas,
+iterations, memory report, loss, collectives) and, from every worker but
+kept by the chief only, `stage<k>.keras` and the `tf.train.Checkpoint`
+`ckpt_stage<k>`.
+
+One stage per job: a second multi-worker strategy in the same processes
+re-enables TensorFlow's collective ops ("Enabling collective ops after
+program startup may cause error"), and under load one worker's first
+collective group request could reach the other before it had, and wait
+forever (1 run in about 10 under a loaded host hung so).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ def data():
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--stage", type=int, choices=(1, 2), required=True)
     args = p.parse_args()
     # Two cores for the whole machine: one op thread per worker.
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -60,7 +68,7 @@ def main() -> None:
 
     x, y = data()
     result = {}
-    for stage in (1, 2):
+    for stage in (args.stage,):
         # Stage 1 finds the job in TF_CONFIG; stage 2 is given a TensorFlow cluster resolver.
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver() if stage == 2 else None
         strategy = tfdist.get_strategy(
@@ -94,7 +102,7 @@ def main() -> None:
             "loss": history.history["loss"],
             "collectives": collective_ops_in(model.train_function.traced_graphs[-1]),
         }
-    with open(os.path.join(args.out, f"{task}.json"), "w") as f:
+    with open(os.path.join(args.out, f"{task}_stage{args.stage}.json"), "w") as f:
         json.dump(result, f)
     print(f"done: {task}", flush=True)
 

@@ -772,10 +772,14 @@ def test_two_workers_train_stages_1_and_2_like_one_process_and_save_the_full_sta
 
     # TMPDIR: the non-chief's temporary write directories land in tmp_path.
     env = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path)}
-    status = run_job([sys.executable, JOB, "--out", str(tmp_path)], workers=2, env=env, timeout=JOB_TIMEOUT_S)
-    assert status == 0
+    for stage in (1, 2):  # one job per stage: one multi-worker strategy per process
+        command = [sys.executable, JOB, "--out", str(tmp_path), "--stage", str(stage)]
+        assert run_job(command, workers=2, env=env, timeout=JOB_TIMEOUT_S) == 0
     x, y = job.data()
-    infos = [json.load(open(tmp_path / f"worker{i}.json")) for i in (0, 1)]
+    infos = [
+        {**json.load(open(tmp_path / f"worker{i}_stage1.json")), **json.load(open(tmp_path / f"worker{i}_stage2.json"))}
+        for i in (0, 1)
+    ]
     # Mirrored over 2 replicas: every device holds Adam's full state.
     with tfdist.get_strategy("mirrored", devices=DEVICES[2]).scope():
         mirrored = job.build()
