@@ -133,7 +133,9 @@ def test_keras_guide_make_or_restore_model_resumes_from_the_checkpoint(tmp_path)
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_text_classification_with_transformer_learns_the_sentiment_words(tmp_path):
-    completed, result = run_tutorial("text_classification_with_transformer.py", "--epochs", "1", tmp_path=tmp_path)
+    completed, result = run_tutorial(
+        "text_classification_with_transformer.py", "--epochs", "1", "--seed", "0", tmp_path=tmp_path
+    )
     assert_succeeded(completed, result)
     assert "<tfdist MirroredStrategy name='mirrored' replicas=2>" in completed.stdout
     assert result["val_accuracy"] > 0.8  # chance is 0.5
@@ -144,7 +146,7 @@ def test_text_classification_with_transformer_learns_the_sentiment_words(tmp_pat
 def test_text_classification_with_transformer_under_sharded_optimizer_in_bfloat16(tmp_path):
     completed, result = run_tutorial(
         "text_classification_with_transformer.py", "--strategy", "sharded_optimizer",
-        "--precision", "mixed_bfloat16", "--epochs", "1", tmp_path=tmp_path,
+        "--precision", "mixed_bfloat16", "--epochs", "1", "--seed", "0", tmp_path=tmp_path,
     )
     assert_succeeded(completed, result)
     assert "name='sharded_optimizer'" in completed.stdout

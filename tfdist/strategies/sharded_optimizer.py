@@ -773,7 +773,8 @@ class ShardedState:
         restored checkpoints write them — and updated as a tensor
         (`_OwnedSlices`): no copy of the slice outlives the step.
         """
-        placement = _OwnedSlices(self)
+        (g,) = grads
+        placement = _OwnedSlices(self, after=g)
 
         def mask():
             # Evaluated where each replica's update runs: decay only the
@@ -781,7 +782,6 @@ class ShardedState:
             replica = tfc.replica_id_in_sync_group(self.strategy, tfc.update_replica_id())
             return self.layout.mask(replica, self.decay)
 
-        (g,) = grads
         update.apply_update(
             self.optimizer, [g], [self.flat], placement,
             decay_mask=mask if self.decay is not None else None, constrain=False, count=False,
@@ -825,7 +825,10 @@ class ShardedState:
 
             def write(x, *values, parts=parts, shape=layout.shapes[p.variable]):
                 pieces = [value[offset:offset + count] for value, (_, offset, count) in zip(values, parts)]
-                whole = pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
+                # A slice at an aligned offset shares the gathered bucket's buffer, and a
+                # variable assigned from it would keep the whole bucket alive between steps
+                # (measured: 2 model-sized buffers over 4 replicas): copy it.
+                whole = tf.raw_ops.DeepCopy(x=pieces[0]) if len(pieces) == 1 else tf.concat(pieces, axis=0)
                 op = x.assign(tf.reshape(whole, shape), read_value=False)
                 replica = int(tfc.replica_id_in_sync_group(strategy, tfc.update_replica_id()))
                 done.setdefault(replica, []).append(op)
@@ -942,9 +945,14 @@ class _OwnedSlices(update.Placement):
         state: the `ShardedState`.
     """
 
-    def __init__(self, state: ShardedState):
+    def __init__(self, state: ShardedState, after=None):
         self.state = state
         self.stand_ins: dict = {}
+        # Each replica's slice is read once its gradient slice exists (`after`,
+        # per replica): left free, TensorFlow reads it while the gradients are
+        # still being reduced, a whole model's worth of slices alive at the
+        # step's peak for nothing.
+        self.after = state.strategy.experimental_local_results(after) if after is not None else None
         flat = kc.tf_variable(state.flat)
         # `extended.update` hands a mirrored argument over whole, a copy of it as itself.
         self.flat_copies = {id(flat)} | {id(c) for c in state.strategy.experimental_local_results(flat)}
@@ -954,7 +962,9 @@ class _OwnedSlices(update.Placement):
         state = self.state
         replica = int(tfc.replica_id_in_sync_group(state.strategy, tfc.update_replica_id()))
         if replica not in self.stand_ins:
-            weights = [tf.convert_to_tensor(kc.tf_variable(v)) for v in state.variables]
+            after = [self.after[tfc.update_replica_id()]] if self.after is not None else []
+            with tf.control_dependencies(after):
+                weights = [tf.convert_to_tensor(kc.tf_variable(v)) for v in state.variables]
             value = gather_shard(state.layout, weights, replica)
             self.stand_ins[replica] = kc.VariableStandIn(state.optimizer, state.flat, value)
         return self.stand_ins[replica]
