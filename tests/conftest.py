@@ -38,6 +38,18 @@ def data10(digits):
     return x[:320], y[:320]
 
 
+class Classifier(keras.Model):
+    """The subclassed digits classifier: one ReLU hidden layer of `hidden` units, 10 logits."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.hidden = keras.layers.Dense(hidden, activation="relu")
+        self.out = keras.layers.Dense(10)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+
 def build_model(kind: str = "sequential", seed: int = 0, optimizer=None, metrics=("accuracy",), **compile_kwargs):
     """A small digits classifier of the given kind, compiled; deterministic weights."""
     keras.utils.set_random_seed(seed)
@@ -52,16 +64,6 @@ def build_model(kind: str = "sequential", seed: int = 0, optimizer=None, metrics
         outputs = keras.layers.Dense(10)(keras.layers.Add()([h, skip]))
         model = keras.Model(inputs, outputs)
     elif kind == "subclassed":
-
-        class Classifier(keras.Model):
-            def __init__(self):
-                super().__init__()
-                self.hidden = keras.layers.Dense(32, activation="relu")
-                self.out = keras.layers.Dense(10)
-
-            def call(self, x, training=False):
-                return self.out(self.hidden(x))
-
         model = Classifier()
         model(np.zeros((1, 64), np.float32))
     else:

@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
-from tests.conftest import DEVICES, build_model, max_relative_difference
+from tests.conftest import DEVICES, Classifier, build_model, max_relative_difference
 
 # Tight: float32 sums in a different order, over 20+ SGD steps.
 PARITY_RTOL = 1e-5
@@ -38,16 +38,11 @@ def relative_difference(reference, model) -> float:
     return max_relative_difference(reference.get_weights(), model.get_weights())
 
 
-class OwnStepModel(keras.Model):
+class OwnStepModel(Classifier):
     """keras-io "customizing what happens in fit": its own GradientTape and optimizer.apply."""
 
     def __init__(self):
-        super().__init__()
-        self.hidden = keras.layers.Dense(16, activation="relu")
-        self.out = keras.layers.Dense(10)
-
-    def call(self, x, training=False):
-        return self.out(self.hidden(x))
+        super().__init__(hidden=16)
 
     def train_step(self, data):
         x, y = data

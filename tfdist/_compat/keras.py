@@ -638,20 +638,18 @@ def adam_family_slots(optimizer, variable):
     from keras.src.optimizers.adamax import Adamax
     from keras.src.optimizers.nadam import Nadam
 
-    update_step = type(optimizer).update_step
-    if update_step is Adam.update_step:
-        index = optimizer._get_variable_index(variable)
-        slots = [optimizer._momentums[index], optimizer._velocities[index]]
-        if optimizer.amsgrad:
-            slots.append(optimizer._velocity_hats[index])
-        return "adam", slots
-    if update_step is Adamax.update_step:
-        index = optimizer._get_variable_index(variable)
-        return "adamax", [optimizer._m[index], optimizer._u[index]]
-    if update_step is Nadam.update_step:
-        index = optimizer._get_variable_index(variable)
-        return "nadam", [optimizer._momentums[index], optimizer._velocities[index]]
-    return None
+    kinds = {
+        Adam.update_step: ("adam", ["_momentums", "_velocities"]),
+        Adamax.update_step: ("adamax", ["_m", "_u"]),
+        Nadam.update_step: ("nadam", ["_momentums", "_velocities"]),
+    }
+    kind, attributes = kinds.get(type(optimizer).update_step, (None, None))
+    if kind is None:
+        return None
+    if kind == "adam" and optimizer.amsgrad:
+        attributes = attributes + ["_velocity_hats"]
+    index = optimizer._get_variable_index(variable)
+    return kind, [getattr(optimizer, name)[index] for name in attributes]
 
 
 def nadam_u_product(optimizer):

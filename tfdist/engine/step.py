@@ -146,6 +146,15 @@ def local_metric_state(variables) -> tf.Tensor:
     return tf.concat([tf.reshape(tf.convert_to_tensor(kc.tf_variable(v)), [-1]) for v in variables], axis=0)
 
 
+def summed_riders(strategy, riders: list):
+    """Cross-replica context: the replicas' summed metric state a gradient path returns, or None.
+
+    `riders` is what each replica's function returned of its all-reduce's
+    riders (`TrainStep.metric_riders`): the sums, the same on every replica.
+    """
+    return strategy.experimental_local_results(riders[0])[0] if riders else None
+
+
 def metrics_result_from_state(model, variables, flat) -> dict:
     """`model.get_metrics_result()` computed from `flat`, the replicas' summed `variables` (no collective)."""
     sizes = [math.prod(v.shape) for v in variables]
@@ -640,7 +649,7 @@ def all_reduce(step, data):
 
     grads, riders = step.strategy.run(replica_fn, args=(data,))
     step.apply(grads)
-    return step.strategy.experimental_local_results(riders[0])[0] if riders else None
+    return summed_riders(step.strategy, riders)
 
 
 def reduce_to_variables(step, data) -> None:

@@ -58,7 +58,7 @@ from tfdist import options as options_lib
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
 from tfdist.engine import update
-from tfdist.engine.step import GradientPath
+from tfdist.engine.step import GradientPath, summed_riders
 from tfdist.sharding import (
     FlatLayout,
     dense_only,
@@ -1003,7 +1003,7 @@ def sharded_optimizer_path(step, data):
 
     grads, riders = step.strategy.run(replica_fn, args=(data,))
     step.apply(grads, update_fn=state.apply_reduced)
-    return step.strategy.experimental_local_results(riders[0])[0] if riders else None
+    return summed_riders(step.strategy, riders)
 
 
 
