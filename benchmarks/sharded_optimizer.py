@@ -1,10 +1,10 @@
 """Peak memory and step time: mirrored against the sharded optimizer (ZeRO stages 1, 2 and 3), at N = 2 and 4.
 
     python benchmarks/sharded_optimizer.py [--replicas 2 4] [--batch 64] [--steps 3] [--width 2048]
-                                           [--bucket-bytes B]
+                                           [--depth 3] [--bucket-bytes B]
 
-An MLP of three `--width` hidden layers (64 -> W -> W -> W -> 10, ReLU;
-8.55M parameters at W = 2048), trained with Keras `fit` on random digits-
+An MLP of `--depth` hidden layers of `--width` (default three: 64 -> W -> W
+-> W -> 10, ReLU; 8.55M parameters at W = 2048), trained with Keras `fit` on random digits-
 shaped data under mirrored with SGD (the baseline: weights, gradients and the
 step, no optimizer state), mirrored with Adam, and sharded_optimizer stages 1,
 2 and 3 with Adam, on N logical devices. Every configuration runs in its
@@ -29,8 +29,9 @@ Reported beside it: the growth above the same N's SGD baseline, its ratio to
 mirrored Adam's growth, and ZeRO's accounting per device (Rajbhandari et al.
 2020, float32 as run here): mirrored 4Φ weights + 4Φ gradients + 8Φ Adam =
 16Φ; stage 1 4Φ + 4Φ + 8Φ/N; stage 2 4Φ + 12Φ/N; stage 3 16Φ/N, plus
-buffers (stage 3 here also holds each replica's gathered parameters and
-local gradients during its forward and backward pass); the baseline is 8Φ.
+buffers (stage 3 here also holds, per replica, about one layer's gathered
+weights and its local gradient at a time during its forward and backward
+pass); the baseline is 8Φ.
 On the allocator (and GPU) measure, the peak's own ratio to mirrored's is
 printed too: there the peak is the tensors alone, so it is the ratio the
 issue's targets name (stage 1 <= 0.70, stage 2 <= 0.55, stage 3 <= 0.35 at
@@ -86,7 +87,7 @@ def peak_rss_bytes() -> int:
 
 def run_one(
     strategy_name: str, stage, optimizer: str, replicas: int, batch: int, steps: int, width: int, measure: str,
-    timed_epochs: int = 3, timed_steps: int = 12,
+    timed_epochs: int = 3, timed_steps: int = 12, depth: int = 3,
 ) -> dict:
     """Runs in the child process: one configuration, returns its measurements."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -112,7 +113,7 @@ def run_one(
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
             [keras.Input((64,))]
-            + [keras.layers.Dense(width, activation="relu") for _ in range(3)]
+            + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
             + [keras.layers.Dense(10)]
         )
         model.compile(
@@ -174,7 +175,7 @@ def run_child(config: tuple, replicas: int, args, measure: str) -> dict:
     cmd = [
         sys.executable, __file__, "--child", name, str(stage or 0), optimizer, measure,
         "--replicas", str(replicas), "--batch", str(args.batch), "--steps", str(args.steps),
-        "--width", str(args.width), "--timed-epochs", str(args.timed_epochs),
+        "--width", str(args.width), "--depth", str(args.depth), "--timed-epochs", str(args.timed_epochs),
         "--timed-steps", str(args.timed_steps),
     ]
     env = dict(os.environ)
@@ -200,6 +201,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=3, help="hidden layers (default 3)")
     parser.add_argument("--bucket-bytes", type=int, default=None, help="step option bucket_bytes (default: tfdist's)")
     parser.add_argument("--timed-epochs", type=int, default=3, help="epochs timed for the step time (median)")
     parser.add_argument("--timed-steps", type=int, default=12, help="steps per timed epoch (default 12)")
@@ -210,7 +212,7 @@ def main() -> None:
         replicas = args.replicas[0]
         print(json.dumps(run_one(
             name, stage, optimizer, replicas, args.batch, args.steps, args.width, measure, args.timed_epochs,
-            args.timed_steps,
+            args.timed_steps, args.depth,
         )))
         return
 
@@ -243,7 +245,7 @@ def main() -> None:
             row["step_ratio_to_mirrored"] = timed / first["mirrored"]["step_seconds"]
             rows.append(row)
     print(
-        f"{rows[0]['parameters'] / 1e6:.2f}M parameters, 3 x {args.width} MLP, Adam, global batch {args.batch}, "
+        f"{rows[0]['parameters'] / 1e6:.2f}M parameters, {args.depth} x {args.width} MLP, Adam, global batch {args.batch}, "
         f"{args.steps} steps, bucket_bytes {args.bucket_bytes or 'default (25 MiB)'}; peaks in MiB, "
         "growth above the same N's mirrored-SGD baseline"
     )
@@ -275,7 +277,8 @@ def main() -> None:
     )
     common.write_results(
         "sharded_optimizer",
-        {"batch": args.batch, "steps": args.steps, "width": args.width, "bucket_bytes": args.bucket_bytes,
+        {"batch": args.batch, "steps": args.steps, "width": args.width, "depth": args.depth,
+         "bucket_bytes": args.bucket_bytes,
          "runs": rows},
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Any, Sequence
 
 import keras
@@ -660,6 +661,150 @@ def nadam_u_product(optimizer):
 def all_layers(model) -> list:
     """Every layer of `model`, nested ones included (Keras's private `_flatten_layers`)."""
     return list(model._flatten_layers(include_self=False))
+
+
+def top_level_layers(model) -> list:
+    """The layers `model` calls directly (Keras's private `_flatten_layers`, not recursive)."""
+    return list(model._flatten_layers(include_self=False, recursive=False))
+
+
+def stateless_values(scope) -> dict:
+    """`{id(variable): value}` of a `keras.StatelessScope`: its mapping and the updates recorded so far.
+
+    Private: `StatelessScope.state_mapping` (the dict `get_current_value`
+    reads and `add_update` writes). Verified on Keras 3.5 to 3.15.
+    """
+    return dict(scope.state_mapping)
+
+
+def stateless_scope_with(values: dict) -> keras.StatelessScope:
+    """A `keras.StatelessScope` (collecting losses) whose variables read `values` (`{id(variable): tensor}`).
+
+    Unlike `StatelessScope(state_mapping=...)` it takes the values as they are,
+    uncast and unchecked: they come from another scope (`stateless_values`)
+    or are a variable's own value. Private: `StatelessScope.state_mapping`.
+    """
+    scope = keras.StatelessScope(collect_losses=True)
+    scope.state_mapping.update(values)
+    return scope
+
+
+def add_layer_loss(scope, layer, loss) -> None:
+    """Records `loss` in `scope` as one `layer` added, as `Layer.add_loss` does in a stateless scope.
+
+    Keras finds a layer's losses in the scope by identity (`Layer._loss_ids`,
+    private): a loss computed inside the layer and passed on as another tensor
+    (a `tf.custom_gradient` output) must be registered under the new tensor.
+    Verified on Keras 3.5 to 3.15.
+    """
+    scope.add_loss(loss)
+    layer._loss_ids.add(id(loss))
+
+
+def record_stateless_update(scope, variable_id: int, value) -> None:
+    """Records `value` as the variable's new value in `scope`, as `Variable.assign` does in it."""
+    scope.state_mapping[variable_id] = value
+
+
+_call_overrides = threading.local()
+_call_lock = threading.Lock()
+_call_users: dict = {}
+
+
+@contextlib.contextmanager
+def calls_replaced(replacements: dict):
+    """Inside, in this thread: each layer in `replacements` (`{layer: function}`) runs the function as its `call`.
+
+    Keras's `Operation.__call__` runs `self.call` after converting, casting
+    and masking the inputs; an instance attribute of that name takes the
+    method's place. The attribute is a dispatcher that runs this thread's
+    replacement, else the layer's own method: MirroredStrategy traces each
+    replica in its own thread, and the threads take turns at every
+    `merge_call`, so one replica's replacements must not reach another's
+    trace. It is removed when the last thread leaves (the layer is as it was).
+    """
+    active = getattr(_call_overrides, "active", None)
+    if active is None:
+        active = _call_overrides.active = {}
+    with _call_lock:
+        for layer in replacements:
+            if _call_users.get(id(layer), 0) == 0:
+                object.__setattr__(layer, "call", _dispatcher(layer, type(layer).call.__get__(layer)))
+            _call_users[id(layer)] = _call_users.get(id(layer), 0) + 1
+    saved = {id(layer): active.get(id(layer)) for layer in replacements}
+    active.update({id(layer): function for layer, function in replacements.items()})
+    try:
+        yield
+    finally:
+        for key, function in saved.items():
+            if function is None:
+                active.pop(key, None)
+            else:
+                active[key] = function
+        with _call_lock:
+            for layer in replacements:
+                _call_users[id(layer)] -= 1
+                if _call_users[id(layer)] == 0:
+                    del _call_users[id(layer)]
+                    layer.__dict__.pop("call", None)
+
+
+def _dispatcher(layer, own):
+    key = id(layer)
+
+    def call(*args, **kwargs):
+        function = getattr(_call_overrides, "active", {}).get(key)
+        return (function or own)(*args, **kwargs)
+
+    call.__wrapped__ = own
+    return call
+
+
+def with_keras_mask_of(source, tensor):
+    """`tensor`, carrying `source`'s Keras mask (the `_keras_mask` attribute layers read from their inputs)."""
+    mask = getattr(source, "_keras_mask", None)
+    if mask is not None:
+        tensor._keras_mask = mask
+    return tensor
+
+
+def layer_call_state() -> tuple:
+    """What a layer's `call` reads from Keras's global state inside `Layer.__call__`.
+
+    The call context (`current_call_ctx`: the `training` flag sublayers
+    inherit when none is passed) and the autocast scope (mixed precision:
+    float variables read in the compute dtype). Private:
+    `keras.src.backend.common.global_state`. Verified on Keras 3.5 to 3.15.
+    """
+    from keras.src.backend.common import global_state
+
+    return (
+        global_state.get_global_attribute("current_call_ctx"),
+        global_state.get_global_attribute("autocast_scope"),
+    )
+
+
+@contextlib.contextmanager
+def restored_layer_call_state(state: tuple):
+    """Inside: Keras's global state as `layer_call_state()` captured it (for a call re-run outside `__call__`)."""
+    from keras.src.backend.common import global_state
+
+    names = ("current_call_ctx", "autocast_scope")
+    saved = [global_state.get_global_attribute(name) for name in names]
+    for name, value in zip(names, state):
+        global_state.set_global_attribute(name, value)
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved):
+            global_state.set_global_attribute(name, value)
+
+
+def stateless_scope():
+    """The active `keras.StatelessScope`, or None."""
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    return get_stateless_scope()
 
 
 def unpatch_variables_for_parameter_servers() -> None:

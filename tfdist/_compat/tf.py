@@ -414,7 +414,9 @@ def shard_trainable_variables(strategy, devices: Sequence[str]) -> None:
         parts, offset = [], 0
         for i, (rows, device) in enumerate(rows_and_devices):
             with tf.init_scope(), tf.device(device):
-                value = tf.identity(full[offset : offset + rows])
+                # A copy: a slice at an aligned offset shares the whole value's buffer, which
+                # each part would then keep alive (every slot a whole variable's size besides its parts).
+                value = tf.raw_ops.DeepCopy(x=full[offset : offset + rows])
                 part_kwargs = dict(kwargs, initial_value=value, name=f"{name}/part_{i}")
                 parts.append(next_creator(**part_kwargs))
             offset += rows

@@ -56,7 +56,7 @@ import tensorflow as tf
 from tfdist import collectives
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
-from tfdist.engine import update
+from tfdist.engine import gather, update
 
 
 def _first_batch_dim(x) -> tf.Tensor:
@@ -67,6 +67,8 @@ def _first_batch_dim(x) -> tf.Tensor:
 def _scale(g, factor):
     if g is None:
         return None
+    if isinstance(g, tuple):  # one gradient per part (`TrainStep._forward_backward_by_layer`)
+        return tuple(_scale(p, factor) for p in g)
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(
             tf.math.multiply_no_nan(g.values, tf.cast(factor, g.values.dtype)),
@@ -87,7 +89,7 @@ def with_variable_shapes(grads: list, variables) -> list:
     """
     out = []
     for g, v in zip(grads, variables):
-        if g is not None and not isinstance(g, tf.IndexedSlices) and not g.shape.is_fully_defined():
+        if tf.is_tensor(g) and not isinstance(g, tf.IndexedSlices) and not g.shape.is_fully_defined():
             g = tf.ensure_shape(g, v.shape)
         out.append(g)
     return out
@@ -298,6 +300,10 @@ class TrainStep:
         # its value gathered whole before the pass, an input of the program.
         self._compiled_forward_backward: dict[int, Callable] = {}
         self.gathers_parameters = self.strategy.gradient_path.gathers_parameters
+        # Stage 3: each top-level layer gathers its own variables (`tfdist.engine.gather`).
+        self.layer_gathers = (
+            gather.LayerGathers.plan(getattr(self, "model", None), variables) if self.gathers_parameters else None
+        )
         self.forward_backward_xla = (
             self.jit_compile
             and not self.whole_step_xla
@@ -354,7 +360,9 @@ class TrainStep:
                 i += len(ps)
         return with_variable_shapes(grads, variables)
 
-    def _stateless_forward_backward(self, x, y, sample_weight, weight_factor=None, gathered=None, also=None):
+    def _stateless_forward_backward(
+        self, x, y, sample_weight, weight_factor=None, gathered=None, also=None, sources=None
+    ):
         """`_forward_backward` with no variable written: returns the layers' updates instead.
 
         Runs in a `keras.StatelessScope`: assignments made by the forward pass
@@ -363,14 +371,19 @@ class TrainStep:
         the scope and read by `compute_loss` as usual. With `gathered` (one
         value per trainable variable), the layers read those values and the
         gradients are taken with respect to them; `also` maps the variables of
-        `_frozen_parts()` to the values given, read but not differentiated.
+        `_frozen_parts()` to the values given, read but not differentiated;
+        `sources` (default `gathered`) are what the gradients are taken
+        with respect to: a variable's entry may be the list of its parts'
+        values (gathered layer by layer, `tfdist.engine.gather`).
         """
         mapping = None if gathered is None else list(zip(self.variables, gathered))
         if also:
             mapping += list(zip(self._frozen_parts(), also))
         mapped = {id(v) for v, _ in mapping} if mapping else set()
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-            y_pred, loss, grads = self._forward_backward(x, y, sample_weight, weight_factor, sources=gathered)
+            y_pred, loss, grads = self._forward_backward(
+                x, y, sample_weight, weight_factor, sources=gathered if sources is None else sources
+            )
         updates = {}
         for i, v in enumerate(self.model.variables):
             if id(v) in mapped:
@@ -392,11 +405,13 @@ class TrainStep:
         are written after, in replica context. Under XLA (`forward_backward_xla`)
         the pass is one compiled program per replica, as under mirrored.
         """
-        gathered = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
         # Variables held in parts that the step does not train (a layer frozen
         # after it was built) are read whole too, not differentiated.
         frozen = self._frozen_parts()
         also = [tf.convert_to_tensor(kc.tf_variable(v)) for v in frozen]
+        if self.layer_gathers is not None and not self.forward_backward_xla:
+            return self._forward_backward_by_layer(x, y, sample_weight, weight_factor, also)
+        gathered = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
         if self.forward_backward_xla:
             # The gathered values are the compiled function's inputs.
             y_pred, loss, grads, updates = self._replica_forward_backward()(
@@ -411,6 +426,43 @@ class TrainStep:
         for i, value in updates.items():
             self.model.variables[i].assign(value)
         return y_pred, loss, with_variable_shapes(grads, self.variables)
+
+    def _forward_backward_by_layer(self, x, y, sample_weight, weight_factor, also):
+        """`_gathered_forward_backward` with the units' variables gathered layer by layer.
+
+        Each unit's variables are read as their parts' values; the unit's
+        layer gathers them for its own forward and again for its backward
+        (`tfdist.engine.gather`), and their gradients come back one per part,
+        a tuple per variable (`sharded_parameters_path` sums each part's
+        onto its device). A read outside the unit's call (a weight
+        regularizer) gets the parts concatenated there, an op that runs only
+        if something reads it. Under accumulation the parts' gradients are
+        joined into one per variable (the accumulators are whole).
+        """
+        gathers = self.layer_gathers
+        by_unit = gathers.gathered_by_units
+        parts = {i: [tf.convert_to_tensor(p) for p in kc.variable_parts(self.variables[i])] for i in by_unit}
+        gathered, sources = [], []
+        for i, v in enumerate(self.variables):
+            if i in parts:
+                whole = tf.reshape(tf.concat(parts[i], axis=0), v.shape) if len(parts[i]) > 1 else parts[i][0]
+                gathered.append(whole)
+                sources.append(parts[i])
+            else:
+                gathered.append(tf.convert_to_tensor(kc.tf_variable(v)))
+                sources.append(gathered[-1])
+        context = tfc.xla_compiled_ops() if self.jit_compile else contextlib.nullcontext()
+        with context, kc.calls_replaced(gathers.calls(parts, gathered)):
+            y_pred, loss, grads, updates = self._stateless_forward_backward(
+                x, y, sample_weight, weight_factor, gathered=gathered, also=also, sources=sources
+            )
+        for i, value in updates.items():
+            self.model.variables[i].assign(value)
+        grads = [
+            (tuple(g) if self.accumulation is None else regroup(self.variables[i], list(g))) if i in parts else g
+            for i, g in enumerate(grads)
+        ]
+        return y_pred, loss, grads
 
     def _frozen_parts(self) -> list:
         """The model's variables held in parts that the step does not train (in model order)."""

@@ -32,10 +32,12 @@ strategy, mirrored, one device and other replica counts.
 Stage 3 (one host) also holds the parameters in shards: every trainable
 variable is a `ShardedVariable` whose rows are split over the replicas'
 devices (`tfdist._compat.tf.shard_trainable_variables`), the optimizer's
-slots split alike; each replica gathers the variables whole for its forward
-and backward pass, each part's rows of the replicas' gradients are summed
-on the part's device, and the user's optimizer, unchanged, updates each part
-on its device (`SHARDED_PARAMETERS`, below).
+slots split alike; each replica gathers each layer's variables just before
+the layer runs and frees them after, gathers them again for the layer's
+backward pass (the layer recomputed: `tfdist.engine.gather`), each part's
+rows of the replicas' gradients are summed on the part's device, and the
+user's optimizer, unchanged, updates each part on its device
+(`SHARDED_PARAMETERS`, below).
 
 Across the worker processes of a job (TF_CONFIG with several workers, or
 `cluster_resolver=`), `ShardedOptimizerStrategy(...)` returns a
@@ -58,7 +60,7 @@ from tfdist import options as options_lib
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
 from tfdist.engine import update
-from tfdist.engine.step import GradientPath, summed_riders
+from tfdist.engine.step import GradientPath, regroup, summed_riders
 from tfdist.sharding import (
     FlatLayout,
     dense_only,
@@ -207,8 +209,8 @@ class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclas
             keeps its slice; 2 reduce-scatters them so each replica only ever
             holds its gradient slice after reduction; 3 (one host) holds each
             trainable variable and its optimizer state as parts, one per
-            device, gathered whole by each replica for its forward and
-            backward pass. Default 1.
+            device, gathered layer by layer by each replica for its forward
+            pass and again for its backward pass. Default 1.
         devices: Optional list of device strings (one host). Default: every
             local GPU, else every logical CPU device.
         cluster, cluster_resolver, communication, collective_timeout,
@@ -1077,6 +1079,17 @@ def _sum_onto_parts(grads: list, variable, shared_rows: bool = False):
     position embedding: `collectives.rows_shared_by_replicas`), whose values
     are summed. Returns one gradient for the whole variable.
     """
+    if isinstance(grads[0], tuple):
+        # One gradient per part from each replica (`tfdist.engine.gather`): part i's summed on its device.
+        if all(g is None for g in grads[0]):
+            return None
+        if not any(isinstance(g, tf.IndexedSlices) for parts in grads for g in parts):
+            pieces = []
+            for i, part in enumerate(kc.variable_parts(variable)):
+                with tf.device(part.device):
+                    pieces.append(tf.add_n([parts[i] for parts in grads]) if len(grads) > 1 else grads[0][i])
+            return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
+        grads = [regroup(variable, list(parts)) for parts in grads]
     if grads[0] is None:
         return None
     if shared_rows and len(grads) > 1:
@@ -1101,6 +1114,17 @@ def _sum_onto_parts(grads: list, variable, shared_rows: bool = False):
     return tf.concat(pieces, axis=0)
 
 
+def _local_results(strategy, value):
+    """Each local replica's `value`; a tuple of per-replica parts gives a tuple per replica."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        per_part = [strategy.experimental_local_results(p) if p is not None else None for p in value]
+        replicas = len(strategy.extended.worker_devices)
+        return [tuple(p[r] if p is not None else None for p in per_part) for r in range(replicas)]
+    return strategy.experimental_local_results(value)
+
+
 def sharded_parameters_path(step, data) -> None:
     """Stage 3's gradient path: per-shard sums of the replicas' gradients, each shard updated where it lives."""
     strategy = step.strategy
@@ -1114,7 +1138,7 @@ def sharded_parameters_path(step, data) -> None:
         return values
 
     per_replica = strategy.run(replica_fn, args=(data,))
-    local = [None if v is None else strategy.experimental_local_results(v) for v in per_replica]
+    local = [_local_results(strategy, v) for v in per_replica]
     summed = [
         None if g is None else _sum_onto_parts(list(g), v, i in shared)
         for i, (g, v) in enumerate(zip(local[:-1], step.variables))

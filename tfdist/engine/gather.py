@@ -1,0 +1,286 @@
+"""Stage 3's parameters gathered layer by layer, as FSDP does (the "units" of a forward pass).
+
+Under the sharded optimizer's stage 3 every trainable variable is held in
+parts, one per replica device (`tfdist._compat.tf.shard_trainable_variables`).
+A replica that gathered all of them before its pass would hold a whole copy of
+the model for the whole step, and its backward pass would keep each gathered
+value alive until that variable's gradient exists: N whole copies at the
+step's peak. Here each top-level layer of the model is a unit
+(`LayerGathers.plan`):
+
+* forward: the unit's variables are gathered (their parts concatenated on the
+  replica's device) once the unit's inputs exist, the layer runs on them, and
+  nothing of the gathered values outlives the layer's call;
+* backward: once the gradient of the unit's outputs arrives, its variables are
+  gathered again, the layer's forward is recomputed from its saved inputs
+  (Chen et al. 2016; FSDP with activation checkpointing at the same
+  granularity) and differentiated; the variables' gradients leave as one
+  gradient per part (rows of the variable), which the stage-3 path sums onto
+  the part's device.
+
+So a replica holds the gathered values of about one unit at a time, at the
+cost of one more forward pass of each unit. The recomputation reads the
+state the forward read (dropout seeds, BatchNorm statistics): the unit's
+other variables keep their forward values, and the forward's updates and
+added losses leave the unit as outputs (`tf.custom_gradient`), recorded in
+the step's `keras.StatelessScope` as Keras would record them.
+
+A layer is not a unit — its variables are gathered whole before the pass,
+as before — when it contains an `Embedding` (its gradient is sparse rows,
+which the stage-3 path sums or concatenates by where their indices come
+from, `collectives.rows_shared_by_replicas`), a synchronized BatchNorm (a
+collective inside the forward, which recomputation would repeat), or a
+quantized layer; and under XLA, where the pass is one compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from tfdist._compat import keras as kc
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One top-level layer, the step variables (indices) it gathers itself, and the others it reads.
+
+    `also` are the layer's other trainable step variables (not held in
+    parts, or gathered by another unit): the unit takes their values as
+    inputs and returns their gradients.
+    """
+
+    layer: object
+    variables: tuple[int, ...]
+    also: tuple[int, ...] = ()
+
+
+def _eligible(layer) -> bool:
+    if "call" in vars(layer):  # a `call` of the instance's own
+        return False
+    for sub in [layer] + kc.all_layers(layer):
+        if isinstance(sub, keras.layers.Embedding):
+            return False
+        if getattr(sub, "synchronized", False) or getattr(sub, "quantization_mode", None) is not None:
+            return False
+    return True
+
+
+class LayerGathers:
+    """The units of a model's forward pass under stage 3, and the calls that gather per unit.
+
+    Args:
+        units: the `Unit`s, in the order the model lists its layers.
+        variables: the step's trainable variables (gradient order).
+    """
+
+    def __init__(self, units: list[Unit], variables: list):
+        self.units = units
+        self.variables = variables
+
+    @classmethod
+    def plan(cls, model, variables: list) -> LayerGathers | None:
+        """The units of `model` over `variables` (its trainable variables held in parts), or None if none.
+
+        A variable belongs to the first top-level layer that holds it (a
+        variable shared by two layers is gathered by the first; the second
+        reads it whole, gathered where it is read).
+        """
+        if model is None:
+            return None
+        index = {id(kc.tf_variable(v)): i for i, v in enumerate(variables)}
+        claimed: set[int] = set()
+        units = []
+        for layer in kc.top_level_layers(model):
+            if not _eligible(layer):
+                continue
+            mine, also = [], []
+            for v in layer.trainable_weights:
+                i = index.get(id(kc.tf_variable(v)))
+                if i is None:
+                    continue
+                if kc.is_sharded(v) and i not in claimed:
+                    claimed.add(i)
+                    mine.append(i)
+                elif i not in also:
+                    also.append(i)
+            if mine:
+                units.append(Unit(layer, tuple(mine), tuple(also)))
+        return cls(units, variables) if units else None
+
+    @property
+    def gathered_by_units(self) -> set[int]:
+        return {i for unit in self.units for i in unit.variables}
+
+    def calls(self, parts: dict, values: list) -> dict:
+        """`{layer: call}` for `kc.calls_replaced`: each unit's layer gathering `parts[i]` (the part values).
+
+        `values` are the step variables' values as the pass reads them
+        outside the units (a unit's `also` inputs).
+        """
+        # The backward pass of one replica: each unit's regather waits for the gradients of the
+        # unit whose backward was built before it (`previous`), so about one unit is gathered at a time.
+        previous: list = []
+        return {unit.layer: _unit_call(unit, self.variables, parts, values, previous) for unit in self.units}
+
+
+def _gather(variable, part_values: list):
+    whole = part_values[0] if len(part_values) == 1 else tf.concat(part_values, axis=0)
+    return tf.reshape(whole, variable.shape)
+
+
+def _per_part(gradient, part_values: list):
+    """A variable's gradient as one gradient per part (its rows of each)."""
+    rows = [int(p.shape[0]) for p in part_values]
+    if gradient is None:
+        return [None] * len(rows)
+    if isinstance(gradient, tf.IndexedSlices):
+        out, offset = [], 0
+        indices = tf.cast(gradient.indices, tf.int64)
+        for n in rows:
+            keep = (indices >= offset) & (indices < offset + n)
+            shape = tf.concat([tf.constant([n], tf.int64), tf.cast(gradient.dense_shape[1:], tf.int64)], 0)
+            out.append(tf.IndexedSlices(tf.boolean_mask(gradient.values, keep), tf.boolean_mask(indices, keep) - offset, shape))
+            offset += n
+        return out
+    return tf.split(gradient, rows, axis=0) if len(rows) > 1 else [gradient]
+
+
+def _unit_call(unit: Unit, variables: list, parts: dict, values: list, previous: list):
+    """The replacement `call` of `unit.layer`: gather, run, and recompute for the backward pass."""
+    layer = unit.layer
+    original = type(layer).call.__get__(layer)
+    keras_variables = [variables[i] for i in unit.variables]
+    ids = [id(v) for v in keras_variables]
+    also_ids = [id(variables[i]) for i in unit.also]
+    also_values = [values[i] for i in unit.also]
+    # The layer's other state (seeds, BatchNorm statistics): read as the forward read it.
+    others = [v for v in layer.variables if id(v) not in set(ids) | set(also_ids)]
+
+    def call(*args, **kwargs):
+        outer = kc.stateless_scope()
+        flat = tf.nest.flatten((args, kwargs))
+        positions = [k for k, a in enumerate(flat) if tf.is_tensor(a)]
+        inputs = [flat[k] for k in positions]
+        part_values = [parts[i] for i in unit.variables]
+        counts = [len(p) for p in part_values]
+        state = kc.stateless_values(outer)
+        for v in others:
+            if id(v) not in state:
+                state[id(v)] = tf.convert_to_tensor(kc.tf_variable(v))
+        structure: dict = {}
+        # The backward pass re-runs the layer outside `Layer.__call__`: with the forward's training flag and autocast.
+        call_state = kc.layer_call_state()
+
+        def run(values, gathered, read):
+            flat_args = list(flat)
+            for k, value in zip(positions, values):
+                flat_args[k] = value
+            a, kw = tf.nest.pack_sequence_as((args, kwargs), flat_args)
+            mapping = dict(state)
+            mapping.update(zip(ids, gathered))
+            mapping.update(zip(also_ids, read))
+            with kc.stateless_scope_with(mapping) as scope:
+                out = original(*a, **kw)
+            return out, scope, mapping
+
+        def gathered_after(anchors, flat_parts):
+            out, start = [], 0
+            anchors = [t.values if isinstance(t, tf.IndexedSlices) else t for t in anchors if t is not None]
+            with tf.control_dependencies(anchors):
+                for v, n in zip(keras_variables, counts):
+                    out.append(_gather(v, flat_parts[start:start + n]))
+                    start += n
+            return out
+
+        @tf.custom_gradient
+        def unit_pass(*values):
+            tensors = values[: len(inputs)]
+            flat_parts = list(values[len(inputs):len(values) - len(also_values)])
+            read = list(values[len(values) - len(also_values):])
+            anchors = [t for t in tensors if t.dtype.is_floating] or list(tensors)
+            out, scope, mapping = run(tensors, gathered_after(anchors[:1], flat_parts), read)
+            leaves = tf.nest.flatten(out)
+            outputs = [leaf for leaf in leaves if tf.is_tensor(leaf)]
+            updates = [(key, value) for key, value in kc.stateless_values(scope).items()
+                       if key not in set(ids) and mapping.get(key) is not value]
+            structure.update(out=out, leaves=leaves, outputs=len(outputs), losses=len(scope.losses),
+                             updates=[k for k, _ in updates])
+            results = outputs + list(scope.losses) + [value for _, value in updates]
+
+            def grad(*dys, variables=None):
+                wanted = dys[: len(outputs) + len(scope.losses)]
+                regathered = gathered_after(list(wanted) + previous, flat_parts)
+                # A tensor passed twice (attention's query and value) gets its two gradients apart.
+                fresh = [kc.with_keras_mask_of(t, tf.identity(t)) for t in tensors]
+                sources = [t for t in fresh if t.dtype.is_floating]
+                read2 = [tf.identity(r) for r in read]
+                with tf.GradientTape(watch_accessed_variables=False) as tape:
+                    tape.watch(sources + regathered + read2)
+                    with kc.restored_layer_call_state(call_state):
+                        out2, scope2, _ = run(fresh, regathered, read2)
+                targets = [leaf for leaf in tf.nest.flatten(out2) if tf.is_tensor(leaf)] + list(scope2.losses)
+                pairs = [(t, d) for t, d in zip(targets, wanted) if d is not None and t.dtype.is_floating]
+                if pairs:
+                    grads = tape.gradient(
+                        [t for t, _ in pairs], sources + regathered + read2, output_gradients=[d for _, d in pairs]
+                    )
+                else:
+                    grads = [None] * (len(sources) + len(regathered) + len(read2))
+                by_input = iter(grads[: len(sources)])
+                input_grads = [next(by_input) if t.dtype.is_floating else None for t in tensors]
+                part_grads = []
+                for g, v_parts in zip(grads[len(sources):len(sources) + len(regathered)], _split(flat_parts, counts)):
+                    part_grads += _per_part(g, v_parts)
+                read_grads = list(grads[len(sources) + len(regathered):])
+                done = input_grads + part_grads + read_grads
+                previous[:] = _all_replicas_done([g for g in done if g is not None])
+                return done, [None] * len(variables or ())
+
+            return results, grad
+
+        flat_parts = [p for ps in part_values for p in ps]
+        results = unit_pass(*inputs, *flat_parts, *also_values)
+        results = list(results) if isinstance(results, (list, tuple)) else [results]
+        n, m = structure["outputs"], structure["losses"]
+        for loss in results[n:n + m]:
+            kc.add_layer_loss(outer, layer, loss)
+        for key, value in zip(structure["updates"], results[n + m:]):
+            kc.record_stateless_update(outer, key, value)
+        tensors = iter(results[:n])
+        leaves = [next(tensors) if tf.is_tensor(leaf) else leaf for leaf in structure["leaves"]]
+        return tf.nest.pack_sequence_as(structure["out"], leaves)
+
+    return call
+
+
+def _all_replicas_done(tensors: list):
+    """Replica context: a token that exists once every replica has computed its `tensors`.
+
+    The next unit's regather waits for it, so the replicas go through the
+    backward pass unit by unit together: a replica that ran ahead would keep
+    every unit's weight gradient alive until the slowest replica's arrives
+    to be summed with it (measured: the fastest replicas held every layer's
+    gradient at the step's peak).
+    """
+    ctx = tf.distribute.get_replica_context()
+    anchors = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
+    if ctx is None or ctx.num_replicas_in_sync == 1 or not anchors:
+        return anchors
+
+    def barrier(strategy, per_replica):
+        ops = [t for value in per_replica for t in strategy.experimental_local_results(value)]
+        with tf.control_dependencies(ops):
+            return tf.no_op()
+
+    return [ctx.merge_call(barrier, args=(anchors,))]
+
+
+def _split(flat: list, counts: list) -> list:
+    out, start = [], 0
+    for n in counts:
+        out.append(flat[start:start + n])
+        start += n
+    return out
