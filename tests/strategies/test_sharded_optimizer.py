@@ -649,8 +649,13 @@ def test_native_reduce_scatter_has_no_cpu_implementation():
     assert "did not find collective implementation" in out.stdout
 
 
-def _step_graph(stage, bucket_bytes, digits):
-    """The traced graph of one training step of the digits model, Adam, 4 replicas."""
+def _step_graph(stage, bucket_bytes, digits, by_layer=True):
+    """The traced graph of one training step of the digits model, Adam, 4 replicas.
+
+    `by_layer=False` traces the path models that are not reduced layer by
+    layer take (an Embedding, a cluster, accumulation, ...): the step's
+    layer plan is set to none.
+    """
     from tfdist.engine.step import TrainStep
 
     strategy = sharded(4, stage, bucket_bytes=bucket_bytes)
@@ -660,8 +665,13 @@ def _step_graph(stage, bucket_bytes, digits):
     x, y = digits
     batch = next(iter(strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((x[:32], y[:32])).batch(32))))
-    graph = tf.function(TrainStep(model)).get_concrete_function(batch).graph
-    return kc.sharded_state(model.optimizer).layout, _operations(graph)
+    step = TrainStep(model)
+    state = kc.sharded_state(model.optimizer)
+    if not by_layer:
+        state._unit_plans[step] = None
+    graph = tf.function(step).get_concrete_function(batch).graph
+    assert (state._unit_plans[step] is not None) == by_layer
+    return state.layout, _operations(graph)
 
 
 def _operations(graph) -> list:
@@ -675,12 +685,48 @@ def _operations(graph) -> list:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_each_layers_gradients_are_reduced_before_the_layer_below_runs_its_backward_pass(stage, digits):
+    # The digits model (Dense 64->32, Dense 32->10) on 4 replicas, 1024-byte
+    # buckets: each layer's gradients (8320 and 1320 bytes) are a group of
+    # their own, each variable larger than a bucket sent alone. The last
+    # layer's reductions come first, and the first layer's weight gradient
+    # (its MatMul, 64 x 32) is computed only after them: at most one layer's
+    # local gradients exist at a time.
+    _, ops = _step_graph(stage, 1024, digits)
+    reduces = [op for op in ops if op.type == "CollectiveReduceV2"]
+    # Per replica: 4 variables alone, and the batch size.
+    assert sorted(op.inputs[0].shape.num_elements() for op in reduces) == sorted([2048, 32, 320, 10, 1] * 4)
+    last_layer = {op.name for op in reduces if op.inputs[0].shape.num_elements() in (320, 10)}
+    first_kernel_grads = [
+        op for op in ops if op.type == "MatMul" and "gradient_tape" in op.name
+        and op.outputs[0].shape.as_list() == [64, 32]
+    ]
+    assert len(first_kernel_grads) == 4
+    for op in first_kernel_grads:
+        assert last_layer & {a.name for a in _all_ancestors(op)}
+    first_layer = {op.name for op in reduces if op.inputs[0].shape.num_elements() in (2048, 32)}
+    assert not any(first_layer & {a.name for a in _all_ancestors(op)} for op in first_kernel_grads)
+
+
+def _all_ancestors(op) -> list:
+    """Every op `op` waits for, through data and control inputs."""
+    seen, frontier = {}, [op]
+    while frontier:
+        o = frontier.pop()
+        for parent in [t.op for t in o.inputs] + list(o.control_inputs):
+            if parent.name not in seen:
+                seen[parent.name] = parent
+                frontier.append(parent)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_step_gathers_bucket_by_bucket_with_no_whole_parameter_temporary(stage, digits):
     # 2410 parameters, 4 replicas, 1024-byte buckets: 10 buckets of 4 chunks
     # of 61. Each bucket is all-gathered alone (N * C = 244 elements) and
     # written into the variables it covers; no tensor of the step holds
     # every parameter (the former end-of-step all-gather made 2412).
-    layout, ops = _step_graph(stage, 1024, digits)
+    layout, ops = _step_graph(stage, 1024, digits, by_layer=False)
     assert (layout.total, layout.num_buckets, layout.chunk_size) == (2410, 10, 61)
     # TensorFlow gathers each value's shape (int32) before the value itself.
     gathers = [op for op in ops if op.type == "CollectiveGatherV2" and op.outputs[0].dtype == tf.float32]
@@ -706,7 +752,7 @@ def test_step_gathers_bucket_by_bucket_with_no_whole_parameter_temporary(stage, 
 def test_stage_2_reduces_each_bucket_after_the_previous_one(digits):
     # At most two buckets alive: each bucket's input waits on the previous
     # bucket's reduced chunk (a control input), last bucket first.
-    _, ops = _step_graph(2, 1024, digits)
+    _, ops = _step_graph(2, 1024, digits, by_layer=False)
     reduces = [op for op in ops if op.type == "CollectiveReduceV2" and op.inputs[0].shape.num_elements() == 244]
     waiting = [op for op in reduces if any(c.type == "GatherV2" for c in _control_ancestors(op, depth=5))]
     assert len(reduces) == 40 and len(waiting) == 4 * 9

@@ -1,4 +1,8 @@
-"""Stage 3's parameters gathered layer by layer, as FSDP does (the "units" of a forward pass).
+"""The sharded optimizer's layer units: stage 3 gathers by layer (FSDP); stages 1 and 2 reduce by layer.
+
+`LayerReductions` (stages 1 and 2, at the end of this module) makes each
+group of top-level layers hand its gradients to the reduction as soon as its
+backward pass ends. What follows is stage 3's.
 
 Under the sharded optimizer's stage 3 every trainable variable is held in
 parts, one per replica device (`tfdist._compat.tf.shard_trainable_variables`).
@@ -38,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfdist._compat import keras as kc
@@ -284,3 +289,169 @@ def _split(flat: list, counts: list) -> list:
         out.append(flat[start:start + n])
         start += n
     return out
+
+
+# ---------------------------------------------------------------------------
+# Stages 1 and 2: the weight gradients reduced group by group as the backward pass goes.
+# ---------------------------------------------------------------------------
+class LayerReductions:
+    """The units of a model's forward pass under stages 1 and 2, whose gradients leave group by group.
+
+    Each top-level layer enters through an identity (`tf.custom_gradient`)
+    on its inputs and on its weights' values, whose gradient function runs
+    once the layer's backward pass is done. Consecutive layers form groups
+    of at most `bucket_bytes` of gradients (one larger layer alone), in
+    backward order; when a group's last layer is done, its gradients go to a
+    reducer (which sums them across the replicas and keeps this replica's
+    pieces of its slice), and the layer's input gradient goes on to the
+    layer before only once that is done. So a replica holds the local
+    gradients of about one group at a time, not all of them until the
+    backward pass ends, nothing is recomputed, and there are about as many
+    collectives as buckets. A layer called several times is done when every
+    call's gradient has arrived; what is left at the end (a layer whose
+    output the loss does not use) is reduced by `flush`. A sparse gradient
+    (a weight gathered by rows outside an Embedding) goes on to the tape as
+    usual.
+
+    Args:
+        units: the `Unit`s (every step variable belongs to one).
+        variables: the step's trainable variables.
+        bucket_bytes: the largest group of gradients, in bytes.
+    """
+
+    def __init__(self, units: list[Unit], variables: list, bucket_bytes: int):
+        self.units = units
+        self.variables = variables
+        self.groups: list[tuple[int, ...]] = []
+        current, size = [], 0
+        for u in reversed(range(len(units))):
+            nbytes = sum(int(np.prod(variables[i].shape)) * 4 for i in units[u].variables)
+            if current and bucket_bytes > 0 and size + nbytes > bucket_bytes:
+                self.groups.append(tuple(current))
+                current, size = [], 0
+            current.append(u)
+            size += nbytes
+        if current:
+            self.groups.append(tuple(current))
+
+    @classmethod
+    def plan(cls, model, variables: list, bucket_bytes: int) -> LayerReductions | None:
+        """Units covering every one of `variables`, each held by one eligible top-level layer; else None."""
+        if model is None:
+            return None
+        index = {id(kc.tf_variable(v)): i for i, v in enumerate(variables)}
+        claimed: set[int] = set()
+        units = []
+        for layer in kc.top_level_layers(model):
+            mine = []
+            for v in layer.trainable_weights:
+                i = index.get(id(kc.tf_variable(v)))
+                if i is not None and i not in claimed:
+                    mine.append(i)
+            if not mine:
+                continue
+            if not _eligible(layer):
+                return None
+            claimed.update(mine)
+            units.append(Unit(layer, tuple(mine)))
+        return cls(units, variables, bucket_bytes) if len(claimed) == len(variables) else None
+
+    def pass_(self, reads: list, reducer) -> _ReductionPass:
+        """One replica's pass: the calls to install (`calls`) and the reduction of what is left (`flush`).
+
+        `reads` are the variables' values the pass reads; `reducer(indices,
+        gradients)` runs in replica context and returns what the layer
+        before must wait for.
+        """
+        return _ReductionPass(self, reads, reducer)
+
+
+class _ReductionPass:
+    def __init__(self, plan: LayerReductions, reads: list, reducer):
+        self.plan, self.reads, self.reducer = plan, reads, reducer
+        self.called = [0] * len(plan.units)
+        self.arrived = [0] * len(plan.units)
+        self.gradients: dict = {}  # variable index -> summed local gradient of this pass
+        self.reduced: set[int] = set()
+        self.calls = {unit.layer: _entry_call(self, u) for u, unit in enumerate(plan.units)}
+
+    def arrive(self, u: int, grads: list) -> list:
+        """Unit `u`'s call is done backward: keeps its gradients; reduces the groups now complete."""
+        for i, g in zip(self.plan.units[u].variables, grads):
+            if g is not None:
+                self.gradients[i] = g if i not in self.gradients else self.gradients[i] + g
+        self.arrived[u] += 1
+        done = []
+        for group in self.plan.groups:
+            if group[0] in self.reduced or any(self.arrived[v] < self.called[v] for v in group):
+                continue
+            if not any(self.called[v] for v in group):
+                continue
+            self.reduced.update(group)
+            done += self._reduce([i for v in group for i in self.plan.units[v].variables])
+        return done
+
+    def flush(self) -> None:
+        """Reduces the gradients no complete group has taken (after the backward pass)."""
+        if self.gradients:
+            self._reduce(sorted(self.gradients))
+
+    def _reduce(self, indices: list) -> list:
+        grads = [self.gradients.pop(i, None) for i in indices]
+        return self.reducer(indices, grads)
+
+
+def _entry_call(reduction: _ReductionPass, u: int):
+    unit = reduction.plan.units[u]
+    layer = unit.layer
+    original = type(layer).call.__get__(layer)
+    ids = [id(reduction.plan.variables[i]) for i in unit.variables]
+
+    def call(*args, **kwargs):
+        outer = kc.stateless_scope()
+        flat = tf.nest.flatten((args, kwargs))
+        positions = [k for k, a in enumerate(flat) if tf.is_tensor(a)]
+        inputs = [flat[k] for k in positions]
+        weights = [reduction.reads[i] for i in unit.variables]
+        reduction.called[u] += 1
+
+        @tf.custom_gradient
+        def entry(*values):
+            def grad(*dys, variables=None):
+                dxs, dws = list(dys[: len(inputs)]), list(dys[len(inputs):])
+                sparse = [g if isinstance(g, tf.IndexedSlices) else None for g in dws]
+                done = reduction.arrive(u, [None if s is not None else g for g, s in zip(dws, sparse)])
+                anchors = [t.values if isinstance(t, tf.IndexedSlices) else t for t in done]
+                with tf.control_dependencies(anchors):
+                    dxs = [_after(d) for d in dxs]
+                return dxs + sparse, [None] * len(variables or ())
+
+            return [tf.identity(v) for v in values], grad
+
+        passed = entry(*inputs, *weights)
+        passed = list(passed) if isinstance(passed, (list, tuple)) else [passed]
+        flat_args = list(flat)
+        for k, original_value, value in zip(positions, inputs, passed[: len(inputs)]):
+            flat_args[k] = kc.with_keras_mask_of(original_value, value)
+        a, kw = tf.nest.pack_sequence_as((args, kwargs), flat_args)
+        mapping = kc.stateless_values(outer)
+        mapping.update(zip(ids, passed[len(inputs):]))
+        with kc.stateless_scope_with(mapping) as scope:
+            out = original(*a, **kw)
+        for loss in scope.losses:
+            kc.add_layer_loss(outer, layer, loss)
+        for key, value in kc.stateless_values(scope).items():
+            if key not in set(ids) and mapping.get(key) is not value:
+                kc.record_stateless_update(outer, key, value)
+        return out
+
+    return call
+
+
+def _after(gradient):
+    """`gradient` passed through an op made now (under the caller's control dependencies)."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(gradient.values), gradient.indices, gradient.dense_shape)
+    return tf.identity(gradient)

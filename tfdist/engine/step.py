@@ -524,6 +524,48 @@ class TrainStep:
             grads = [_scale(g, factor) for g in grads]
         return list(grads) + [weight]
 
+    def compute_gradients_by_unit(self, data, reductions, reducer) -> list:
+        """Replica context: `compute_gradients`, each layer's weight gradients handed to `reducer`.
+
+        The forward pass reads the variables' values in a `keras.StatelessScope`
+        and each top-level layer enters through `reductions` (`tfdist.engine.gather.LayerReductions`):
+        its weights' gradients go to `reducer` as soon as its backward pass
+        ends. Returns `[grads..., weight]` with None for the gradients
+        reduced that way (a sparse one comes back as usual). Only for
+        steps without accumulation, loss scaling, XLA or float8 layers
+        (`TrainStep.reduces_by_unit`).
+        """
+        x, y, sample_weight = kc.unpack_data(data)
+        batch = _first_batch_dim(x)
+        weight = tf.cast(batch, tf.float32)
+        factor = weight * float(self.strategy.num_replicas_in_sync)
+        reads = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
+        reduction = reductions.pass_(reads, reducer)
+        with kc.calls_replaced(reduction.calls):
+            y_pred, loss, grads, updates = self._stateless_forward_backward(
+                x, y, sample_weight, factor, gathered=reads
+            )
+        reduction.flush()
+        for i, value in updates.items():
+            self.model.variables[i].assign(value)
+        kc.track_loss(self.model, loss, batch)
+        self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return list(grads) + [weight]
+
+    def reduces_by_unit(self) -> bool:
+        """Whether `compute_gradients_by_unit` can stand for `compute_gradients` here."""
+        return (
+            self.model is not None
+            and type(self).compute_gradients is TrainStep.compute_gradients  # not a custom train_step
+            and self.accumulation is None
+            and self.loss_scale is None
+            and self.update_optimizer.loss_scale_factor is None
+            and not self.jit_compile
+            and not self.overwritten
+            and self.options.allreduce_dtype == "float32"
+            and self.strategy.num_replicas_in_sync > 1
+        )
+
     def overwrite_from_replicas(self, grads: list) -> list:
         """Replica context: writes the `overwrite_with_gradient` variables; `grads` without them.
 

@@ -10,10 +10,14 @@ keeps the optimizer state of that slice only (Rajbhandari et al., "ZeRO",
 One step, per replica:
 
 1. local gradients (the step engine's phase 1);
-2. reduction to the replica's slice: stage 1 all-reduces the gradients and
-   keeps its slice; stage 2 reduce-scatters the flattened gradient bucket by
-   bucket (`tfdist.collectives.reduce_scatter_sum`), so a replica never holds
-   more than its gradient slice and two buckets;
+2. reduction to the replica's slice: on one host, in a plain `fit` step,
+   inside the backward pass, group of layers by group as each group's
+   backward ends (`tfdist.engine.gather.LayerReductions`,
+   `ShardedState.reduce_by_unit`), so a replica holds about one group's
+   local gradients at a time; otherwise stage 1 all-reduces the gradients
+   and keeps its slice, and stage 2 reduce-scatters the flattened gradient
+   bucket by bucket (`tfdist.collectives.reduce_scatter_sum`), so a replica
+   never holds more than its gradient slice and two buckets;
 3. the engine's `finish` on the slice (normalise, unscale, clip — clipping
    norms are summed across slices, so `clipnorm` and `global_clipnorm` match
    one device);
@@ -21,7 +25,7 @@ One step, per replica:
    updated as a tensor (no float32 copy of it is kept), with its state for
    the slice only; weight decay, learning-rate schedules and EMA as in Keras;
 5. all-gather of the updated chunks bucket by bucket, each written straight
-   into the replicated model variables it completes.
+   into the replicated model variables it covers.
 
 The model's optimizer is the user's Keras optimizer, unchanged in class and
 config; it is built on one flat per-replica variable (which holds no memory)
@@ -59,7 +63,7 @@ from tfdist import collectives
 from tfdist import options as options_lib
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
-from tfdist.engine import update
+from tfdist.engine import gather, update
 from tfdist.engine.step import GradientPath, regroup, summed_riders
 from tfdist.sharding import (
     FlatLayout,
@@ -444,6 +448,7 @@ class ShardedState:
         self.decay: list | None = None
         self._checkpoint_children: dict | None = None
         self._gather_functions: dict = {}
+        self._unit_plans: dict = {}
 
     # What the sharded optimizer class calls ----------------------------------
     def build(self, variables) -> None:
@@ -743,6 +748,79 @@ class ShardedState:
             shard = gather_shard_slices(self.layout, shard, grads, replica)
         return [shard, total] + riders
 
+    def unit_reductions(self, step):
+        """The model's layers as units whose gradients are reduced as each one's backward pass ends, or None.
+
+        Stages 1 and 2 on one host, for a `fit` step without accumulation,
+        loss scaling, XLA or compressed exchange, when every trainable
+        variable belongs to a top-level layer without an Embedding
+        (`tfdist.engine.gather.LayerReductions`); decided once per step.
+        """
+        if step not in self._unit_plans:
+            plan = None
+            if self.strategy.stage in (1, 2) and not self.across_workers and step.reduces_by_unit():
+                plan = gather.LayerReductions.plan(step.model, step.variables, step.options.bucket_bytes)
+            self._unit_plans[step] = plan
+        return self._unit_plans[step]
+
+    def reduce_by_unit(self, step, reductions, batch, riders: list = ()) -> list:
+        """Replica context: `[this replica's summed slice, total weight] + riders`, reduced layer by layer.
+
+        As each layer's backward pass ends its weights' gradients are summed
+        across the replicas (one all-reduce per variable, no packing copy;
+        an all-reduce of the layer alone is a reduce-scatter on CPU, as in
+        `tfdist.collectives.reduce_scatter_sum`) and this replica keeps its
+        pieces of them (copied out, so the sum is freed); the layer before
+        starts its backward pass once that is done. The slice is assembled
+        from the pieces at the end. Stage 1 and stage 2 give the same slice.
+        """
+        ctx = tf.distribute.get_replica_context()
+        replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
+        mine: dict = {}
+        for p in self.layout.pieces(replica):
+            mine.setdefault(p.variable, []).append(p)
+        kept: dict = {}
+
+        def reducer(indices, grads):
+            dense = [(i, g) for i, g in zip(indices, grads) if g is not None]
+            if not dense:
+                return []
+            summed = collectives.all_reduce_sum([g for _, g in dense], step.options.bucket_bytes)
+            done = []
+            for (i, _), total in zip(dense, summed):
+                flat = tf.reshape(total, [-1])
+                for p in mine.get(i, []):
+                    own = tf.raw_ops.DeepCopy(x=flat[p.start:p.stop])
+                    key = (i, p.start)
+                    kept[key] = own if key not in kept else kept[key] + own
+                    done.append(kept[key])
+            return done or [summed[0]]
+
+        values = step.compute_gradients_by_unit(batch, reductions, reducer)
+        grads = values[:-1]
+        total, *riders = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [values[-1]] + list(riders))
+        shard = self._slice_from_pieces(kept, replica)
+        if has_sparse(grads):
+            # Rows gathered from a weight outside an Embedding came back from the tape: all-gathered, kept sparse.
+            sparse = collectives.all_reduce_sum(
+                [g if isinstance(g, tf.IndexedSlices) else None for g in grads], step.options.bucket_bytes
+            )
+            shard = gather_shard_slices(self.layout, shard, sparse, replica)
+        return [shard, total] + riders
+
+    def _slice_from_pieces(self, kept: dict, replica: int) -> tf.Tensor:
+        """Replica `replica`'s slice from its pieces `{(variable, start): values}`; zeros elsewhere."""
+        parts = []
+        for lo, hi in self.layout.owned_ranges(replica):
+            position = 0
+            for p in self.layout.range_pieces(lo, hi):
+                value = kept.get((p.variable, p.start))
+                parts.append(value if value is not None else tf.zeros([p.stop - p.start], tf.float32))
+                position = p.offset + p.stop - p.start
+            if position < hi - lo:
+                parts.append(tf.zeros([hi - lo - position], tf.float32))
+        return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+
     def gradient_buffer_estimate(self) -> int:
         """Bytes of reduced gradient one replica's step holds at most (not counting sparse rows).
 
@@ -806,39 +884,41 @@ class ShardedState:
 
     @tf.autograph.experimental.do_not_convert
     def _write_bucket(self, k: int, gathered, pending: dict, after: dict) -> None:
-        """Cross-replica context: assigns the variables that bucket `k` completes, straight from it.
+        """Cross-replica context: writes bucket `k` into the variables it covers, straight from it.
 
         A bucket is a contiguous range of the flat parameters: a variable
-        inside it is assigned from a slice of the gathered bucket (no
-        whole-model buffer, unpadding copy or split); a variable that goes on
-        into the next bucket waits in `pending`, and is assigned from its
-        pieces once its last bucket arrives (a copy of that one variable).
-        `after` gets each replica's assignments and gathered bucket, for the
-        next bucket to wait on.
+        inside it is assigned a copy of its slice of the gathered bucket (no
+        whole-model buffer, unpadding copy or split); a variable that only
+        partly lies in it gets that part written now, into a copy of its
+        current value (`TensorStridedSliceUpdate`), so nothing of this bucket
+        is kept for the next one. Either way one new buffer of the variable's
+        size exists while it is written. `after` gets each replica's writes
+        and gathered bucket, for the next bucket to wait on. `pending` is
+        unused (kept for the callers' signature).
         """
         layout, strategy = self.layout, self.strategy
         done: dict = {}
         for p in layout.range_pieces(*layout.bucket_range(k)):
-            parts = pending.setdefault(p.variable, [])
-            parts.append((gathered, p.offset, p.stop - p.start))
-            if p.stop < layout.sizes[p.variable]:
-                continue
-            del pending[p.variable]
+            size = layout.sizes[p.variable]
 
-            def write(x, *values, parts=parts, shape=layout.shapes[p.variable]):
-                pieces = [value[offset:offset + count] for value, (_, offset, count) in zip(values, parts)]
-                # A slice at an aligned offset shares the gathered bucket's buffer, and a
-                # variable assigned from it would keep the whole bucket alive between steps
-                # (measured: 2 model-sized buffers over 4 replicas): copy it.
-                whole = tf.raw_ops.DeepCopy(x=pieces[0]) if len(pieces) == 1 else tf.concat(pieces, axis=0)
+            def write(x, value, p=p, size=size, shape=layout.shapes[p.variable]):
+                piece = value[p.offset:p.offset + p.stop - p.start]
+                if p.start == 0 and p.stop == size:
+                    # A slice at an aligned offset shares the gathered bucket's buffer, and a
+                    # variable assigned from it would keep the whole bucket alive between steps
+                    # (measured: 2 model-sized buffers over 4 replicas): copy it.
+                    whole = tf.raw_ops.DeepCopy(x=piece)
+                else:
+                    whole = tf.raw_ops.TensorStridedSliceUpdate(
+                        input=tf.reshape(x.read_value(), [size]), begin=[p.start], end=[p.stop], strides=[1],
+                        value=piece,
+                    )
                 op = x.assign(tf.reshape(whole, shape), read_value=False)
                 replica = int(tfc.replica_id_in_sync_group(strategy, tfc.update_replica_id()))
                 done.setdefault(replica, []).append(op)
                 return op
 
-            strategy.extended.update(
-                kc.tf_variable(self.variables[p.variable]), write, args=tuple(g for g, _, _ in parts), group=False
-            )
+            strategy.extended.update(kc.tf_variable(self.variables[p.variable]), write, args=(gathered,), group=False)
         after.clear()
         for i, value in enumerate(strategy.experimental_local_results(gathered)):
             replica = int(tfc.replica_id_in_sync_group(strategy, i))
@@ -998,7 +1078,12 @@ def sharded_optimizer_path(step, data):
     """
     state = kc.sharded_state(step.optimizer)
 
+    reductions = state.unit_reductions(step)
+
     def replica_fn(batch):
+        if reductions is not None:
+            shard, total, *riders = state.reduce_by_unit(step, reductions, batch, step.metric_riders())
+            return step.finish([shard, total]), riders
         values = step.local_gradients(batch)
         shard, total, *riders = state.reduce(step.options.bucket_bytes, values, step.metric_riders())
         return step.finish([shard, total]), riders
