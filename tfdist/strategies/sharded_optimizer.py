@@ -52,6 +52,7 @@ step, replicas numbered across workers; saving all-gathers the state.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Sequence
 
 import keras
@@ -448,7 +449,7 @@ class ShardedState:
         self.decay: list | None = None
         self._checkpoint_children: dict | None = None
         self._gather_functions: dict = {}
-        self._unit_plans: dict = {}
+        self._unit_plans = weakref.WeakKeyDictionary()  # step -> LayerReductions or None
 
     # What the sharded optimizer class calls ----------------------------------
     def build(self, variables) -> None:
@@ -766,11 +767,12 @@ class ShardedState:
     def reduce_by_unit(self, step, reductions, batch, riders: list = ()) -> list:
         """Replica context: `[this replica's summed slice, total weight] + riders`, reduced layer by layer.
 
-        As each layer's backward pass ends its weights' gradients are summed
-        across the replicas (one all-reduce per variable, no packing copy;
-        an all-reduce of the layer alone is a reduce-scatter on CPU, as in
+        As each group of layers finishes its backward pass, its weights'
+        gradients are summed across the replicas (`bucket_bytes` buckets; a
+        variable larger than one travels alone, with no packing copy; on CPU
+        an all-reduce of the group is how a reduce-scatter runs, as in
         `tfdist.collectives.reduce_scatter_sum`) and this replica keeps its
-        pieces of them (copied out, so the sum is freed); the layer before
+        pieces of them (copied out, so the sum is freed); the layer below
         starts its backward pass once that is done. The slice is assembled
         from the pieces at the end. Stage 1 and stage 2 give the same slice.
         """
@@ -837,11 +839,10 @@ class ShardedState:
     def apply_reduced(self, grads: list) -> None:
         """Cross-replica context (the engine's step): update every slice, then all-gather into the model."""
         updated = self._update_slices(grads)
-        pending: dict = {}
         after: dict = {}
         for k in range(self.layout.num_buckets):
             gathered = self.strategy.run(lambda k=k: self._gather_bucket(k, updated, after))
-            self._write_bucket(k, gathered, pending, after)
+            self._write_bucket(k, gathered, after)
         self._finish_step()
 
     def _update_slices(self, grads: list):
@@ -883,7 +884,7 @@ class ShardedState:
         return collectives.all_gather_shards(chunk)
 
     @tf.autograph.experimental.do_not_convert
-    def _write_bucket(self, k: int, gathered, pending: dict, after: dict) -> None:
+    def _write_bucket(self, k: int, gathered, after: dict) -> None:
         """Cross-replica context: writes bucket `k` into the variables it covers, straight from it.
 
         A bucket is a contiguous range of the flat parameters: a variable
@@ -893,8 +894,7 @@ class ShardedState:
         current value (`TensorStridedSliceUpdate`), so nothing of this bucket
         is kept for the next one. Either way one new buffer of the variable's
         size exists while it is written. `after` gets each replica's writes
-        and gathered bucket, for the next bucket to wait on. `pending` is
-        unused (kept for the callers' signature).
+        and gathered bucket, for the next bucket to wait on.
         """
         layout, strategy = self.layout, self.strategy
         done: dict = {}
@@ -1000,11 +1000,10 @@ class ShardedState:
         shard, _ = self.reduce(self.strategy.options.bucket_bytes, ordered + [tf.constant(1.0)])
         (shard,) = self.clip_slices([shard])
         updated = ctx.merge_call(lambda _, g: self._update_slices([g]), args=(shard,))
-        pending: dict = {}
         after: dict = {}
         for k in range(self.layout.num_buckets):
             gathered = self._gather_bucket(k, updated, after)
-            ctx.merge_call(lambda _, g, k=k: self._write_bucket(k, g, pending, after), args=(gathered,))
+            ctx.merge_call(lambda _, g, k=k: self._write_bucket(k, g, after), args=(gathered,))
         ctx.merge_call(lambda _: self._finish_step())
 
     def _assign_model_variables(self, flat: np.ndarray) -> None:
