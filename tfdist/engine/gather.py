@@ -62,6 +62,18 @@ class Unit:
     also: tuple[int, ...] = ()
 
 
+def _top_level_layers_holding(model, variables: list):
+    """`(layer, indices)` for each top-level layer: which of `variables` it holds as trainable weights."""
+    index = {id(kc.tf_variable(v)): i for i, v in enumerate(variables)}
+    for layer in kc.top_level_layers(model):
+        held: list[int] = []
+        for v in layer.trainable_weights:
+            i = index.get(id(kc.tf_variable(v)))
+            if i is not None and i not in held:
+                held.append(i)
+        yield layer, held
+
+
 def _eligible(layer) -> bool:
     if "call" in vars(layer):  # a `call` of the instance's own
         return False
@@ -95,24 +107,15 @@ class LayerGathers:
         """
         if model is None:
             return None
-        index = {id(kc.tf_variable(v)): i for i, v in enumerate(variables)}
         claimed: set[int] = set()
         units = []
-        for layer in kc.top_level_layers(model):
+        for layer, held in _top_level_layers_holding(model, variables):
             if not _eligible(layer):
                 continue
-            mine, also = [], []
-            for v in layer.trainable_weights:
-                i = index.get(id(kc.tf_variable(v)))
-                if i is None:
-                    continue
-                if kc.is_sharded(v) and i not in claimed:
-                    claimed.add(i)
-                    mine.append(i)
-                elif i not in also:
-                    also.append(i)
+            mine = [i for i in held if kc.is_sharded(variables[i]) and i not in claimed]
+            claimed.update(mine)
             if mine:
-                units.append(Unit(layer, tuple(mine), tuple(also)))
+                units.append(Unit(layer, tuple(mine), tuple(i for i in held if i not in mine)))
         return cls(units, variables) if units else None
 
     @property
@@ -339,15 +342,10 @@ class LayerReductions:
         """Units covering every one of `variables`, each held by one eligible top-level layer; else None."""
         if model is None:
             return None
-        index = {id(kc.tf_variable(v)): i for i, v in enumerate(variables)}
         claimed: set[int] = set()
         units = []
-        for layer in kc.top_level_layers(model):
-            mine = []
-            for v in layer.trainable_weights:
-                i = index.get(id(kc.tf_variable(v)))
-                if i is not None and i not in claimed:
-                    mine.append(i)
+        for layer, held in _top_level_layers_holding(model, variables):
+            mine = [i for i in held if i not in claimed]
             if not mine:
                 continue
             if not _eligible(layer):
