@@ -74,6 +74,20 @@ def test_sharded_stage_2_holds_its_gradient_slice_and_two_buckets():
         assert entry["gradient_buffers"] == 4 * (610 + 2 * 4 * 61)
 
 
+def test_sharded_stages_reducing_layer_by_layer_hold_their_slice_and_the_largest_group(digits):
+    # The same model in 1024-byte buckets: after a step, each layer's gradients (2080 and 330
+    # elements) are a group of their own; the largest is held reduced with the replica's slice.
+    x, y = digits
+    for stage in (1, 2):
+        strategy = tfdist.get_strategy("sharded_optimizer", stage=stage, devices=DEVICES[4], bucket_bytes=1024)
+        model = built(strategy, keras.optimizers.Adam)
+        before = tfdist.memory_report(model)["/device:CPU:0"]["gradient_buffers"]
+        model.fit(x[:32], y[:32], batch_size=32, verbose=0)
+        for entry in tfdist.memory_report(model).values():
+            assert entry["gradient_buffers"] == 4 * (610 + 64 * 32 + 32)
+        assert before == (4 * PARAMETERS if stage == 1 else 4 * (610 + 2 * 4 * 61))
+
+
 def test_cpu_devices_report_no_measured_peak():
     report = tfdist.memory_report(built(tfdist.get_strategy("mirrored", devices=DEVICES[2])))
     assert [entry["peak"] for entry in report.values()] == [None, None]

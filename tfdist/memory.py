@@ -48,10 +48,12 @@ def memory_report(model) -> dict[str, dict[str, int]]:
       the whole gradient under all-reduce (mirrored, sharded stage 1), the
       summed gradient on the parameter device under central storage; under
       sharded stage 2, the replica's gradient slice plus the two buckets of
-      the reduce-scatter that can be alive at once; under stage 3, each
-      parameter part's summed gradient on the part's device (each replica's
-      local gradients and gathered weights, whole for the forward and
-      backward pass, are not counted). Transient, not variables.
+      the reduce-scatter that can be alive at once; under sharded stages 1
+      and 2 once a step has reduced layer by layer, the replica's slice plus
+      the largest group of layers' gradients; under stage 3, each parameter
+      part's summed gradient on the part's device (each replica's local
+      gradients and the gathered weights of the layer it runs are not
+      counted). Transient, not variables.
     * `peak`: measured, not counted: the most bytes TensorFlow's allocator
       has held on the device (`tf.config.experimental.get_memory_info`) since
       the process started or `tf.config.experimental.reset_memory_stats`, on

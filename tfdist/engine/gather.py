@@ -326,16 +326,19 @@ class LayerReductions:
         self.units = units
         self.variables = variables
         self.groups: list[tuple[int, ...]] = []
+        self.largest_group = 0  # elements of gradient
         current, size = [], 0
         for u in reversed(range(len(units))):
             nbytes = sum(int(np.prod(variables[i].shape)) * 4 for i in units[u].variables)
             if current and bucket_bytes > 0 and size + nbytes > bucket_bytes:
                 self.groups.append(tuple(current))
+                self.largest_group = max(self.largest_group, size // 4)
                 current, size = [], 0
             current.append(u)
             size += nbytes
         if current:
             self.groups.append(tuple(current))
+            self.largest_group = max(self.largest_group, size // 4)
 
     @classmethod
     def plan(cls, model, variables: list, bucket_bytes: int) -> LayerReductions | None:

@@ -826,11 +826,17 @@ class ShardedState:
     def gradient_buffer_estimate(self) -> int:
         """Bytes of reduced gradient one replica's step holds at most (not counting sparse rows).
 
-        Stage 1: every reduced gradient, whole (each has its variable's size).
-        Stage 2: the replica's slice, plus the two buckets (`N` chunks each) that
-        can be alive at once (`tfdist.collectives.reduce_scatter_sum`).
+        Once a step has run reducing layer by layer (`unit_reductions`), at
+        either stage: the replica's slice, plus the largest group's reduced
+        gradients. Otherwise stage 1: every reduced gradient, whole (each has
+        its variable's size); stage 2: the replica's slice, plus the two
+        buckets (`N` chunks each) that can be alive at once
+        (`tfdist.collectives.reduce_scatter_sum`).
         """
         layout = self.layout
+        plans = [plan for plan in self._unit_plans.values() if plan is not None]
+        if plans:
+            return (layout.shard_size + max(plan.largest_group for plan in plans)) * 4
         if self.strategy.stage == 1:
             return layout.total * 4
         bucket = layout.num_shards * layout.chunk_size
