@@ -235,6 +235,14 @@ def gather_range(layout: FlatLayout, tensors: Sequence, lo: int, hi: int) -> tf.
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
 
 
+def rows_in(g: tf.IndexedSlices, offset: int, rows: int) -> tf.IndexedSlices:
+    """The rows of sparse `g` in `[offset, offset + rows)`, renumbered from `offset` (a part of a variable)."""
+    indices = tf.cast(g.indices, tf.int64)
+    keep = (indices >= offset) & (indices < offset + rows)
+    shape = tf.concat([tf.constant([rows], tf.int64), tf.cast(g.dense_shape[1:], tf.int64)], 0)
+    return tf.IndexedSlices(tf.boolean_mask(g.values, keep), tf.boolean_mask(indices, keep) - offset, shape)
+
+
 def has_sparse(tensors: Sequence) -> bool:
     """Whether any of `tensors` is a sparse gradient (`tf.IndexedSlices`)."""
     return any(isinstance(t, tf.IndexedSlices) for t in tensors)

@@ -654,7 +654,7 @@ def _step_graph(stage, bucket_bytes, digits, by_layer=True):
 
     `by_layer=False` traces the path models that are not reduced layer by
     layer take (an Embedding, a cluster, accumulation, ...): the step's
-    layer plan is set to none.
+    `layer_reductions` is set to None.
     """
     from tfdist.engine.step import TrainStep
 
@@ -666,12 +666,11 @@ def _step_graph(stage, bucket_bytes, digits, by_layer=True):
     batch = next(iter(strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((x[:32], y[:32])).batch(32))))
     step = TrainStep(model)
-    state = kc.sharded_state(model.optimizer)
+    assert step.layer_reductions is not None
     if not by_layer:
-        state._unit_plans[step] = None
+        step.layer_reductions = None
     graph = tf.function(step).get_concrete_function(batch).graph
-    assert (state._unit_plans[step] is not None) == by_layer
-    return state.layout, _operations(graph)
+    return kc.sharded_state(model.optimizer).layout, _operations(graph)
 
 
 def _operations(graph) -> list:

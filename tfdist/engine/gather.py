@@ -46,6 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist._compat import keras as kc
+from tfdist.sharding import rows_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +135,49 @@ class LayerGathers:
         return {unit.layer: _unit_call(unit, self.variables, parts, values, previous) for unit in self.units}
 
 
-def _gather(variable, part_values: list):
-    whole = part_values[0] if len(part_values) == 1 else tf.concat(part_values, axis=0)
-    return tf.reshape(whole, variable.shape)
+def whole(variable, part_values: list):
+    """`variable`'s value from its parts' values (rows, concatenated)."""
+    value = part_values[0] if len(part_values) == 1 else tf.concat(part_values, axis=0)
+    return tf.reshape(value, variable.shape)
+
+
+class _LayerCall:
+    """One call of a unit's layer: its arguments' tensors, and the layer's own `call` re-run on others.
+
+    The layer runs in a `keras.StatelessScope` of its own, which starts from
+    the step's (`outer`) with some variables mapped to other values; what it
+    records (updates, added losses) is handed back by `updates` and
+    `scope.losses`.
+    """
+
+    def __init__(self, layer, args, kwargs):
+        self.layer, self.args, self.kwargs = layer, args, kwargs
+        self.original = type(layer).call.__get__(layer)
+        self.flat = tf.nest.flatten((args, kwargs))
+        self.positions = [k for k, a in enumerate(self.flat) if tf.is_tensor(a)]
+        self.inputs = [self.flat[k] for k in self.positions]
+        self.outer = kc.stateless_scope()
+
+    def run(self, tensors: list, mapping: dict):
+        """The layer's `call` on `tensors` in place of `inputs`, its variables read from `mapping`."""
+        flat = list(self.flat)
+        for k, value in zip(self.positions, tensors):
+            flat[k] = value
+        args, kwargs = tf.nest.pack_sequence_as((self.args, self.kwargs), flat)
+        with kc.stateless_scope_with(mapping) as scope:
+            out = self.original(*args, **kwargs)
+        return out, scope
+
+
+def _updates(scope, mapping: dict, skip) -> list:
+    """`(variable id, value)` that `scope` recorded beyond `mapping`, except the variables in `skip`."""
+    return [(key, value) for key, value in kc.stateless_values(scope).items()
+            if key not in skip and mapping.get(key) is not value]
+
+
+def _control_inputs(tensors) -> list:
+    """`tensors` (None dropped, sparse ones by their values) for `tf.control_dependencies`."""
+    return [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors if t is not None]
 
 
 def _per_part(gradient, part_values: list):
@@ -145,36 +186,27 @@ def _per_part(gradient, part_values: list):
     if gradient is None:
         return [None] * len(rows)
     if isinstance(gradient, tf.IndexedSlices):
-        out, offset = [], 0
-        indices = tf.cast(gradient.indices, tf.int64)
-        for n in rows:
-            keep = (indices >= offset) & (indices < offset + n)
-            shape = tf.concat([tf.constant([n], tf.int64), tf.cast(gradient.dense_shape[1:], tf.int64)], 0)
-            out.append(tf.IndexedSlices(tf.boolean_mask(gradient.values, keep), tf.boolean_mask(indices, keep) - offset, shape))
-            offset += n
-        return out
+        offsets = np.cumsum([0] + rows[:-1])
+        return [rows_in(gradient, int(offset), n) for offset, n in zip(offsets, rows)]
     return tf.split(gradient, rows, axis=0) if len(rows) > 1 else [gradient]
 
 
 def _unit_call(unit: Unit, variables: list, parts: dict, values: list, previous: list):
     """The replacement `call` of `unit.layer`: gather, run, and recompute for the backward pass."""
     layer = unit.layer
-    original = type(layer).call.__get__(layer)
     keras_variables = [variables[i] for i in unit.variables]
     ids = [id(v) for v in keras_variables]
     also_ids = [id(variables[i]) for i in unit.also]
     also_values = [values[i] for i in unit.also]
     # The layer's other state (seeds, BatchNorm statistics): read as the forward read it.
     others = [v for v in layer.variables if id(v) not in set(ids) | set(also_ids)]
+    counts = [len(parts[i]) for i in unit.variables]
+    flat_parts = [p for i in unit.variables for p in parts[i]]
 
     def call(*args, **kwargs):
-        outer = kc.stateless_scope()
-        flat = tf.nest.flatten((args, kwargs))
-        positions = [k for k, a in enumerate(flat) if tf.is_tensor(a)]
-        inputs = [flat[k] for k in positions]
-        part_values = [parts[i] for i in unit.variables]
-        counts = [len(p) for p in part_values]
-        state = kc.stateless_values(outer)
+        this = _LayerCall(layer, args, kwargs)
+        inputs = this.inputs
+        state = kc.stateless_values(this.outer)
         for v in others:
             if id(v) not in state:
                 state[id(v)] = tf.convert_to_tensor(kc.tf_variable(v))
@@ -182,45 +214,33 @@ def _unit_call(unit: Unit, variables: list, parts: dict, values: list, previous:
         # The backward pass re-runs the layer outside `Layer.__call__`: with the forward's training flag and autocast.
         call_state = kc.layer_call_state()
 
-        def run(values, gathered, read):
-            flat_args = list(flat)
-            for k, value in zip(positions, values):
-                flat_args[k] = value
-            a, kw = tf.nest.pack_sequence_as((args, kwargs), flat_args)
+        def run(tensors, gathered, read):
             mapping = dict(state)
             mapping.update(zip(ids, gathered))
             mapping.update(zip(also_ids, read))
-            with kc.stateless_scope_with(mapping) as scope:
-                out = original(*a, **kw)
-            return out, scope, mapping
+            return (*this.run(tensors, mapping), mapping)
 
-        def gathered_after(anchors, flat_parts):
-            out, start = [], 0
-            anchors = [t.values if isinstance(t, tf.IndexedSlices) else t for t in anchors if t is not None]
-            with tf.control_dependencies(anchors):
-                for v, n in zip(keras_variables, counts):
-                    out.append(_gather(v, flat_parts[start:start + n]))
-                    start += n
-            return out
+        def gathered_after(anchors, values):
+            with tf.control_dependencies(_control_inputs(anchors)):
+                return [whole(v, p) for v, p in zip(keras_variables, _split(values, counts))]
 
         @tf.custom_gradient
         def unit_pass(*values):
             tensors = values[: len(inputs)]
-            flat_parts = list(values[len(inputs):len(values) - len(also_values)])
+            own_parts = list(values[len(inputs):len(values) - len(also_values)])
             read = list(values[len(values) - len(also_values):])
             anchors = [t for t in tensors if t.dtype.is_floating] or list(tensors)
-            out, scope, mapping = run(tensors, gathered_after(anchors[:1], flat_parts), read)
+            out, scope, mapping = run(tensors, gathered_after(anchors[:1], own_parts), read)
             leaves = tf.nest.flatten(out)
             outputs = [leaf for leaf in leaves if tf.is_tensor(leaf)]
-            updates = [(key, value) for key, value in kc.stateless_values(scope).items()
-                       if key not in set(ids) and mapping.get(key) is not value]
+            updates = _updates(scope, mapping, set(ids))
             structure.update(out=out, leaves=leaves, outputs=len(outputs), losses=len(scope.losses),
                              updates=[k for k, _ in updates])
             results = outputs + list(scope.losses) + [value for _, value in updates]
 
             def grad(*dys, variables=None):
                 wanted = dys[: len(outputs) + len(scope.losses)]
-                regathered = gathered_after(list(wanted) + previous, flat_parts)
+                regathered = gathered_after(list(wanted) + previous, own_parts)
                 # A tensor passed twice (attention's query and value) gets its two gradients apart.
                 fresh = [kc.with_keras_mask_of(t, tf.identity(t)) for t in tensors]
                 sources = [t for t in fresh if t.dtype.is_floating]
@@ -240,7 +260,7 @@ def _unit_call(unit: Unit, variables: list, parts: dict, values: list, previous:
                 by_input = iter(grads[: len(sources)])
                 input_grads = [next(by_input) if t.dtype.is_floating else None for t in tensors]
                 part_grads = []
-                for g, v_parts in zip(grads[len(sources):len(sources) + len(regathered)], _split(flat_parts, counts)):
+                for g, v_parts in zip(grads[len(sources):len(sources) + len(regathered)], _split(own_parts, counts)):
                     part_grads += _per_part(g, v_parts)
                 read_grads = list(grads[len(sources) + len(regathered):])
                 done = input_grads + part_grads + read_grads
@@ -249,14 +269,13 @@ def _unit_call(unit: Unit, variables: list, parts: dict, values: list, previous:
 
             return results, grad
 
-        flat_parts = [p for ps in part_values for p in ps]
         results = unit_pass(*inputs, *flat_parts, *also_values)
         results = list(results) if isinstance(results, (list, tuple)) else [results]
         n, m = structure["outputs"], structure["losses"]
         for loss in results[n:n + m]:
-            kc.add_layer_loss(outer, layer, loss)
+            kc.add_layer_loss(this.outer, layer, loss)
         for key, value in zip(structure["updates"], results[n + m:]):
-            kc.record_stateless_update(outer, key, value)
+            kc.record_stateless_update(this.outer, key, value)
         tensors = iter(results[:n])
         leaves = [next(tensors) if tf.is_tensor(leaf) else leaf for leaf in structure["leaves"]]
         return tf.nest.pack_sequence_as(structure["out"], leaves)
@@ -274,7 +293,7 @@ def _all_replicas_done(tensors: list):
     gradient at the step's peak).
     """
     ctx = tf.distribute.get_replica_context()
-    anchors = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
+    anchors = _control_inputs(tensors)
     if ctx is None or ctx.num_replicas_in_sync == 1 or not anchors:
         return anchors
 
@@ -405,14 +424,11 @@ class _ReductionPass:
 def _entry_call(reduction: _ReductionPass, u: int):
     unit = reduction.plan.units[u]
     layer = unit.layer
-    original = type(layer).call.__get__(layer)
     ids = [id(reduction.plan.variables[i]) for i in unit.variables]
 
     def call(*args, **kwargs):
-        outer = kc.stateless_scope()
-        flat = tf.nest.flatten((args, kwargs))
-        positions = [k for k, a in enumerate(flat) if tf.is_tensor(a)]
-        inputs = [flat[k] for k in positions]
+        this = _LayerCall(layer, args, kwargs)
+        inputs = this.inputs
         weights = [reduction.reads[i] for i in unit.variables]
         reduction.called[u] += 1
 
@@ -422,8 +438,7 @@ def _entry_call(reduction: _ReductionPass, u: int):
                 dxs, dws = list(dys[: len(inputs)]), list(dys[len(inputs):])
                 sparse = [g if isinstance(g, tf.IndexedSlices) else None for g in dws]
                 done = reduction.arrive(u, [None if s is not None else g for g, s in zip(dws, sparse)])
-                anchors = [t.values if isinstance(t, tf.IndexedSlices) else t for t in done]
-                with tf.control_dependencies(anchors):
+                with tf.control_dependencies(_control_inputs(done)):
                     dxs = [_after(d) for d in dxs]
                 return dxs + sparse, [None] * len(variables or ())
 
@@ -431,19 +446,14 @@ def _entry_call(reduction: _ReductionPass, u: int):
 
         passed = entry(*inputs, *weights)
         passed = list(passed) if isinstance(passed, (list, tuple)) else [passed]
-        flat_args = list(flat)
-        for k, original_value, value in zip(positions, inputs, passed[: len(inputs)]):
-            flat_args[k] = kc.with_keras_mask_of(original_value, value)
-        a, kw = tf.nest.pack_sequence_as((args, kwargs), flat_args)
-        mapping = kc.stateless_values(outer)
+        tensors = [kc.with_keras_mask_of(t, p) for t, p in zip(inputs, passed[: len(inputs)])]
+        mapping = kc.stateless_values(this.outer)
         mapping.update(zip(ids, passed[len(inputs):]))
-        with kc.stateless_scope_with(mapping) as scope:
-            out = original(*a, **kw)
+        out, scope = this.run(tensors, mapping)
         for loss in scope.losses:
-            kc.add_layer_loss(outer, layer, loss)
-        for key, value in kc.stateless_values(scope).items():
-            if key not in set(ids) and mapping.get(key) is not value:
-                kc.record_stateless_update(outer, key, value)
+            kc.add_layer_loss(this.outer, layer, loss)
+        for key, value in _updates(scope, mapping, set(ids)):
+            kc.record_stateless_update(this.outer, key, value)
         return out
 
     return call

@@ -300,9 +300,24 @@ class TrainStep:
         # its value gathered whole before the pass, an input of the program.
         self._compiled_forward_backward: dict[int, Callable] = {}
         self.gathers_parameters = self.strategy.gradient_path.gathers_parameters
-        # Stage 3: each top-level layer gathers its own variables (`tfdist.engine.gather`).
-        self.layer_gathers = (
-            gather.LayerGathers.plan(getattr(self, "model", None), variables) if self.gathers_parameters else None
+        # The sharded optimizer's layer units (`tfdist.engine.gather`). Stage 3: each top-level
+        # layer gathers its own variables. Stages 1 and 2 on one host, in a plain `fit` step (no
+        # custom train_step, accumulation, loss scaling, XLA, float8 or compressed exchange): each
+        # group of layers' gradients is reduced as its backward pass ends.
+        model = getattr(self, "model", None)
+        self.layer_gathers = gather.LayerGathers.plan(model, variables) if self.gathers_parameters else None
+        self.layer_reductions = (
+            gather.LayerReductions.plan(model, variables, self.options.bucket_bytes)
+            if self.strategy.gradient_path.reduces_by_layer
+            and type(self).compute_gradients is TrainStep.compute_gradients
+            and self.accumulation is None
+            and self.loss_scale is None
+            and self.update_optimizer.loss_scale_factor is None
+            and not self.jit_compile
+            and not self.overwritten
+            and self.options.allreduce_dtype == "float32"
+            and self.strategy.num_replicas_in_sync > 1
+            else None
         )
         self.forward_backward_xla = (
             self.jit_compile
@@ -423,8 +438,7 @@ class TrainStep:
                 y_pred, loss, grads, updates = self._stateless_forward_backward(
                     x, y, sample_weight, weight_factor, gathered=gathered, also=also
                 )
-        for i, value in updates.items():
-            self.model.variables[i].assign(value)
+        self._assign_updates(updates)
         return y_pred, loss, with_variable_shapes(grads, self.variables)
 
     def _forward_backward_by_layer(self, x, y, sample_weight, weight_factor, also):
@@ -445,8 +459,7 @@ class TrainStep:
         gathered, sources = [], []
         for i, v in enumerate(self.variables):
             if i in parts:
-                whole = tf.reshape(tf.concat(parts[i], axis=0), v.shape) if len(parts[i]) > 1 else parts[i][0]
-                gathered.append(whole)
+                gathered.append(gather.whole(v, parts[i]))
                 sources.append(parts[i])
             else:
                 gathered.append(tf.convert_to_tensor(kc.tf_variable(v)))
@@ -456,8 +469,7 @@ class TrainStep:
             y_pred, loss, grads, updates = self._stateless_forward_backward(
                 x, y, sample_weight, weight_factor, gathered=gathered, also=also, sources=sources
             )
-        for i, value in updates.items():
-            self.model.variables[i].assign(value)
+        self._assign_updates(updates)
         grads = [
             (tuple(g) if self.accumulation is None else regroup(self.variables[i], list(g))) if i in parts else g
             for i, g in enumerate(grads)
@@ -483,8 +495,37 @@ class TrainStep:
             )
         return self._compiled_forward_backward[replica]
 
-    def compute_gradients(self, data) -> list:
-        """Replica context: `[weighted grads..., batch size]` of this micro-batch."""
+    def _assign_updates(self, updates: dict) -> None:
+        """Writes the layers' own updates a stateless pass recorded (`{index in model.variables: value}`)."""
+        for i, value in updates.items():
+            self.model.variables[i].assign(value)
+
+    def _forward_backward_reducing(self, x, y, sample_weight, weight_factor, reducer):
+        """The pass with each group of layers' weight gradients handed to `reducer` as its backward ends.
+
+        The layers read the variables' values in a `keras.StatelessScope` and
+        each top-level layer enters through `layer_reductions`
+        (`tfdist.engine.gather.LayerReductions`); what no group took is handed
+        over at the end. The gradients returned are None where they were
+        handed over (a sparse one comes back as usual).
+        """
+        reads = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
+        reduction = self.layer_reductions.pass_(reads, reducer)
+        with kc.calls_replaced(reduction.calls):
+            y_pred, loss, grads, updates = self._stateless_forward_backward(
+                x, y, sample_weight, weight_factor, gathered=reads
+            )
+        reduction.flush()
+        self._assign_updates(updates)
+        return y_pred, loss, grads
+
+    def compute_gradients(self, data, reducer=None) -> list:
+        """Replica context: `[weighted grads..., batch size]` of this micro-batch.
+
+        With `reducer` (where `layer_reductions` is set), each group of layers'
+        weight gradients goes to `reducer(indices, gradients)` as its backward
+        pass ends, and comes back None (`_forward_backward_reducing`).
+        """
         x, y, sample_weight = kc.unpack_data(data)
         batch = _first_batch_dim(x)
         weighted = not (self.strategy.num_replicas_in_sync == 1 and self.accumulation is None)
@@ -498,7 +539,9 @@ class TrainStep:
         # float16 activations) or a float8 layer reads its output gradient's
         # magnitude (`overwrite_with_gradient`): then on each gradient.
         on_loss = factor if (self.loss_scale is None and not self.overwritten) else None
-        if self.gathers_parameters:
+        if reducer is not None:
+            y_pred, loss, grads = self._forward_backward_reducing(x, y, sample_weight, on_loss, reducer)
+        elif self.gathers_parameters:
             y_pred, loss, grads = self._gathered_forward_backward(x, y, sample_weight, on_loss)
         elif self.forward_backward_xla:
             y_pred, loss, grads, updates = self._replica_forward_backward()(x, y, sample_weight, on_loss)
@@ -506,8 +549,7 @@ class TrainStep:
             # seeds), recorded inside the compiled function, are written here,
             # in replica context, where a mirrored variable's assignment may
             # synchronise (a `merge_call` cannot run inside a nested function).
-            for i, value in updates.items():
-                self.model.variables[i].assign(value)
+            self._assign_updates(updates)
         elif self.jit_compile and not self.whole_step_xla:
             with tfc.xla_compiled_ops():
                 y_pred, loss, grads = self._forward_backward(x, y, sample_weight, on_loss)
@@ -523,48 +565,6 @@ class TrainStep:
         if on_loss is None:
             grads = [_scale(g, factor) for g in grads]
         return list(grads) + [weight]
-
-    def compute_gradients_by_unit(self, data, reductions, reducer) -> list:
-        """Replica context: `compute_gradients`, each layer's weight gradients handed to `reducer`.
-
-        The forward pass reads the variables' values in a `keras.StatelessScope`
-        and each top-level layer enters through `reductions` (`tfdist.engine.gather.LayerReductions`):
-        its weights' gradients go to `reducer` as soon as its backward pass
-        ends. Returns `[grads..., weight]` with None for the gradients
-        reduced that way (a sparse one comes back as usual). Only for
-        steps without accumulation, loss scaling, XLA or float8 layers
-        (`TrainStep.reduces_by_unit`).
-        """
-        x, y, sample_weight = kc.unpack_data(data)
-        batch = _first_batch_dim(x)
-        weight = tf.cast(batch, tf.float32)
-        factor = weight * float(self.strategy.num_replicas_in_sync)
-        reads = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
-        reduction = reductions.pass_(reads, reducer)
-        with kc.calls_replaced(reduction.calls):
-            y_pred, loss, grads, updates = self._stateless_forward_backward(
-                x, y, sample_weight, factor, gathered=reads
-            )
-        reduction.flush()
-        for i, value in updates.items():
-            self.model.variables[i].assign(value)
-        kc.track_loss(self.model, loss, batch)
-        self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return list(grads) + [weight]
-
-    def reduces_by_unit(self) -> bool:
-        """Whether `compute_gradients_by_unit` can stand for `compute_gradients` here."""
-        return (
-            self.model is not None
-            and type(self).compute_gradients is TrainStep.compute_gradients  # not a custom train_step
-            and self.accumulation is None
-            and self.loss_scale is None
-            and self.update_optimizer.loss_scale_factor is None
-            and not self.jit_compile
-            and not self.overwritten
-            and self.options.allreduce_dtype == "float32"
-            and self.strategy.num_replicas_in_sync > 1
-        )
 
     def overwrite_from_replicas(self, grads: list) -> list:
         """Replica context: writes the `overwrite_with_gradient` variables; `grads` without them.
@@ -711,8 +711,13 @@ class GradientPath:
             as one XLA program (which cannot read a variable on another
             device). Default True.
         gathers_parameters: bool. Variables are held in shards across the
-            replicas' devices; each replica gathers them whole before its
-            forward pass (`TrainStep._gathered_forward_backward`). Default False.
+            replicas' devices; each replica gathers them layer by layer, or
+            whole before its forward pass (`TrainStep._gathered_forward_backward`).
+            Default False.
+        reduces_by_layer: bool. The path can take each group of layers'
+            gradients as that group's backward pass ends
+            (`TrainStep.layer_reductions`, `compute_gradients(reducer=...)`).
+            Default False.
     """
 
     name: str
@@ -721,6 +726,7 @@ class GradientPath:
     local_with_one_replica: bool = False
     variables_on_replicas: bool = True
     gathers_parameters: bool = False
+    reduces_by_layer: bool = False
 
     def __call__(self, step, data):
         return self.run(step, data)

@@ -52,7 +52,6 @@ step, replicas numbered across workers; saving all-gathers the state.
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Sequence
 
 import keras
@@ -64,7 +63,7 @@ from tfdist import collectives
 from tfdist import options as options_lib
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
-from tfdist.engine import gather, update
+from tfdist.engine import update
 from tfdist.engine.step import GradientPath, regroup, summed_riders
 from tfdist.sharding import (
     FlatLayout,
@@ -72,6 +71,7 @@ from tfdist.sharding import (
     gather_shard,
     gather_shard_slices,
     has_sparse,
+    rows_in,
 )
 from tfdist.strategies.base import run_creation_hooks
 from tfdist.strategies.mirrored import MirroredStrategy
@@ -246,6 +246,10 @@ class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclas
     """
 
     name = "sharded_optimizer"
+    # On one host, stages 1 and 2 reduce each group of layers' gradients as its backward pass ends.
+    gradient_path = GradientPath(
+        "sharded_optimizer", lambda step, data: sharded_optimizer_path(step, data), reduces_by_layer=True
+    )
     # The multi-worker arguments are listed so that presets and error messages know them; given
     # (not None), they select MultiWorkerShardedOptimizerStrategy in __new__.
     PARAMS = {"stage": STAGE, "devices": options_lib.DEVICES, **MultiWorkerMirroredStrategy.PARAMS}
@@ -449,7 +453,8 @@ class ShardedState:
         self.decay: list | None = None
         self._checkpoint_children: dict | None = None
         self._gather_functions: dict = {}
-        self._unit_plans = weakref.WeakKeyDictionary()  # step -> LayerReductions or None
+        # Gradient elements of the largest group of layers a traced step reduced at once (`reduce_by_unit`).
+        self.largest_group = 0
 
     # What the sharded optimizer class calls ----------------------------------
     def build(self, variables) -> None:
@@ -749,22 +754,7 @@ class ShardedState:
             shard = gather_shard_slices(self.layout, shard, grads, replica)
         return [shard, total] + riders
 
-    def unit_reductions(self, step):
-        """The model's layers as units whose gradients are reduced as each one's backward pass ends, or None.
-
-        Stages 1 and 2 on one host, for a `fit` step without accumulation,
-        loss scaling, XLA or compressed exchange, when every trainable
-        variable belongs to a top-level layer without an Embedding
-        (`tfdist.engine.gather.LayerReductions`); decided once per step.
-        """
-        if step not in self._unit_plans:
-            plan = None
-            if self.strategy.stage in (1, 2) and not self.across_workers and step.reduces_by_unit():
-                plan = gather.LayerReductions.plan(step.model, step.variables, step.options.bucket_bytes)
-            self._unit_plans[step] = plan
-        return self._unit_plans[step]
-
-    def reduce_by_unit(self, step, reductions, batch, riders: list = ()) -> list:
+    def reduce_by_unit(self, step, batch, riders: list = ()) -> list:
         """Replica context: `[this replica's summed slice, total weight] + riders`, reduced layer by layer.
 
         As each group of layers finishes its backward pass, its weights'
@@ -798,7 +788,8 @@ class ShardedState:
                     done.append(kept[key])
             return done or [summed[0]]
 
-        values = step.compute_gradients_by_unit(batch, reductions, reducer)
+        self.largest_group = max(self.largest_group, step.layer_reductions.largest_group)
+        values = step.compute_gradients(batch, reducer=reducer)
         grads = values[:-1]
         total, *riders = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [values[-1]] + list(riders))
         shard = self._slice_from_pieces(kept, replica)
@@ -826,17 +817,16 @@ class ShardedState:
     def gradient_buffer_estimate(self) -> int:
         """Bytes of reduced gradient one replica's step holds at most (not counting sparse rows).
 
-        Once a step has run reducing layer by layer (`unit_reductions`), at
-        either stage: the replica's slice, plus the largest group's reduced
+        Once a step has been traced reducing layer by layer (`reduce_by_unit`),
+        at either stage: the replica's slice, plus the largest group's reduced
         gradients. Otherwise stage 1: every reduced gradient, whole (each has
         its variable's size); stage 2: the replica's slice, plus the two
         buckets (`N` chunks each) that can be alive at once
         (`tfdist.collectives.reduce_scatter_sum`).
         """
         layout = self.layout
-        plans = [plan for plan in self._unit_plans.values() if plan is not None]
-        if plans:
-            return (layout.shard_size + max(plan.largest_group for plan in plans)) * 4
+        if self.largest_group:
+            return (layout.shard_size + self.largest_group) * 4
         if self.strategy.stage == 1:
             return layout.total * 4
         bucket = layout.num_shards * layout.chunk_size
@@ -1083,11 +1073,9 @@ def sharded_optimizer_path(step, data):
     """
     state = kc.sharded_state(step.optimizer)
 
-    reductions = state.unit_reductions(step)
-
     def replica_fn(batch):
-        if reductions is not None:
-            shard, total, *riders = state.reduce_by_unit(step, reductions, batch, step.metric_riders())
+        if step.layer_reductions is not None:
+            shard, total, *riders = state.reduce_by_unit(step, batch, step.metric_riders())
             return step.finish([shard, total]), riders
         values = step.local_gradients(batch)
         shard, total, *riders = state.reduce(step.options.bucket_bytes, values, step.metric_riders())
@@ -1149,10 +1137,7 @@ def _part_of(value, index: int, offset: int, rows: int, variable):
     if kc.is_sharded(value):
         return kc.variable_parts(value)[index]
     if isinstance(value, tf.IndexedSlices):
-        indices = tf.cast(value.indices, tf.int64)
-        keep = (indices >= offset) & (indices < offset + rows)
-        shape = tf.concat([tf.constant([rows], tf.int64), tf.cast(value.dense_shape[1:], tf.int64)], 0)
-        return tf.IndexedSlices(tf.boolean_mask(value.values, keep), tf.boolean_mask(indices, keep) - offset, shape)
+        return rows_in(value, offset, rows)
     if isinstance(value, (tf.Tensor, tf.Variable)) and value.shape.rank and value.shape == variable.shape:
         return value[offset:offset + rows]
     return value
