@@ -624,6 +624,115 @@ def slots_as_parts(optimizer, variable, index: int):
             values[i] = entry
 
 
+class SlotChunk:
+    """Elements `[lo, hi)` of a 1-D optimizer slot (a `tf.Variable`), read and written in place.
+
+    The sharded optimizer updates its slice chunk by chunk (`slots_as_chunks`),
+    so that the update's temporaries are one chunk's size. The chunk is read
+    with `ResourceGather` and written back with `ResourceStridedSliceAssign`
+    into the slot's own buffer: no slot-sized buffer is created. Both put the
+    slot variable in TensorFlow's copy-on-read mode (a plain read then copies
+    it), which costs nothing here: only these chunked updates read the slots
+    during training. Keras (verified on 3.15, TensorFlow backend) writes a slot
+    through `optimizer.assign*`, which calls `assign`, `assign_add` or
+    `assign_sub` on it, and reads it as a tensor.
+    """
+
+    def __init__(self, variable, lo: int, hi: int, zero):
+        self.variable = variable
+        self.lo, self.hi = lo, hi
+        # A scalar int32 0 computed at run time: indices from constants alone
+        # are folded by grappler into a constant of `hi - lo` elements, kept
+        # for the function's lifetime (measured: one chunk's size per slot,
+        # chunk and replica).
+        self.zero = zero
+        self._value = None
+        # The in-place writes, for the next chunk to wait on.
+        self.writes: list = []
+
+    @property
+    def dtype(self):
+        return self.variable.dtype
+
+    @property
+    def shape(self):
+        return tf.TensorShape([self.hi - self.lo])
+
+    @property
+    def value(self):
+        if self._value is None:
+            self._value = tf.raw_ops.ResourceGather(
+                resource=self.variable.handle, indices=tf.range(self.lo + self.zero, self.hi + self.zero),
+                dtype=self.variable.dtype,
+            )
+        return self._value
+
+    @staticmethod
+    def prepare(variable) -> None:
+        """Eagerly: puts `variable` in copy-on-read mode now, outside any step.
+
+        The first in-place write does it otherwise, and copies the slot then
+        if anything still shares its buffer (its initial value), inside the
+        step, at its peak.
+        """
+        tf.raw_ops.ResourceStridedSliceAssign(
+            ref=variable.handle, begin=[0], end=[0], strides=[1], value=tf.zeros([0], variable.dtype)
+        )
+
+    def _write(self, value):
+        self._value = tf.convert_to_tensor(value, self.dtype)
+        op = tf.raw_ops.ResourceStridedSliceAssign(
+            ref=self.variable.handle, begin=[self.lo], end=[self.hi], strides=[1], value=self._value
+        )
+        self.writes.append(op)
+        return op
+
+    def assign(self, value, read_value=False):
+        return self._write(value)
+
+    def assign_add(self, value, read_value=False):
+        return self._write(self.value + tf.convert_to_tensor(value, self.dtype))
+
+    def assign_sub(self, value, read_value=False):
+        return self._write(self.value - tf.convert_to_tensor(value, self.dtype))
+
+
+tf.register_tensor_conversion_function(
+    SlotChunk, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.value, dtype)
+)
+
+
+@contextlib.contextmanager
+def slots_as_chunks(optimizer, variable, lo: int, hi: int, local, zero):
+    """Inside: the slots of `variable` (1-D) read and written as their elements `[lo, hi)` (`SlotChunk`).
+
+    As `slots_as_parts`: every list attribute of the optimizer indexed by
+    variable position (Keras's private `_trainable_variables_indices`;
+    verified on Keras 3.15 for the optimizers `slots_as_parts` names) has its
+    entry for `variable`, when it is a Keras variable of `variable`'s shape
+    other than `variable`, replaced by a `SlotChunk` of `local(entry)` (the
+    slot's copy where the update runs), then restored. `zero`: a scalar int32
+    0 computed at run time (see `SlotChunk`). Yields the `SlotChunk`s.
+    """
+    position = optimizer._trainable_variables_indices.get(optimizer._var_key(variable))
+    swapped = []
+    for value in list(vars(optimizer).values()) if position is not None else []:
+        if not isinstance(value, list) or len(value) <= position:
+            continue
+        # Keras's `ListWrapper`s are written through their `_storage` (see `slots_as_parts`).
+        storage = getattr(value, "_storage", value)
+        entry = storage[position]
+        if entry is variable or not isinstance(entry, keras.Variable) or tuple(entry.shape) != tuple(variable.shape):
+            continue
+        swapped.append((storage, position, entry))
+        storage[position] = SlotChunk(local(entry), lo, hi, zero)
+    try:
+        yield [values[i] for values, i, _ in swapped]
+    finally:
+        for values, i, entry in swapped:
+            values[i] = entry
+
+
 def adam_family_slots(optimizer, variable):
     """`(kind, slots)`: the Keras slot variables of an Adam-family update of `variable`, or None.
 

@@ -68,6 +68,7 @@ from tfdist.engine.step import GradientPath, regroup, summed_riders
 from tfdist.sharding import (
     FlatLayout,
     dense_only,
+    gather_range,
     gather_shard,
     gather_shard_slices,
     has_sparse,
@@ -76,6 +77,23 @@ from tfdist.sharding import (
 from tfdist.strategies.base import run_creation_hooks
 from tfdist.strategies.mirrored import MirroredStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
+
+# On one host, the flat layout's buckets are at most this many bytes (and at
+# most `bucket_bytes`; `bucket_bytes=0` keeps one bucket; across workers,
+# where each bucket is a gRPC collective, `bucket_bytes`). A bucket's chunk is the
+# unit of the optimizer update (`_OwnedSlices.chunked`) and of the all-gather
+# into the weights, so a replica's update temporaries and gathered weights are
+# about this size at a time, not its whole slice. Measured on the benchmark's
+# 3 x 2048 MLP (allocator peak / mirrored's, stage 2, chunked update): with
+# 4 MiB buckets 0.74 at N = 2 and 0.57 at N = 4, with 1 MiB 0.66-0.71 and
+# 0.53-0.55 (docs/sharded_optimizer.md, Memory). Gradients still travel in
+# `bucket_bytes` groups.
+LAYOUT_BUCKET_BYTES = 1 << 20
+# Stages 1 and 2 reducing layer by layer (`ShardedState.reduce_by_unit`) sum a
+# gradient larger than this in pieces of this size, one after another: the
+# collective's buffers (a ring all-reduce holds about (N - 1) / N of its input
+# in temporary chunks) are one piece's, not one variable's.
+REDUCE_PIECE_BYTES = 1 << 20
 
 STAGE = options_lib.Option(
     name="stage",
@@ -455,6 +473,8 @@ class ShardedState:
         self._gather_functions: dict = {}
         # Gradient elements of the largest group of layers a traced step reduced at once (`reduce_by_unit`).
         self.largest_group = 0
+        # Whether the slots were put in copy-on-read mode for chunked updates (`_updates_by_chunk`).
+        self._slots_chunked = False
 
     # What the sharded optimizer class calls ----------------------------------
     def build(self, variables) -> None:
@@ -478,9 +498,11 @@ class ShardedState:
                 "Train float8 models under mirrored, central_storage or multi_worker."
             )
         self.variables = variables
-        self.layout = FlatLayout.for_variables(
-            variables, self.strategy.num_replicas_in_sync, self.strategy.options.bucket_bytes
-        )
+        bucket_bytes = self.strategy.options.bucket_bytes
+        if bucket_bytes > 0 and not self.across_workers:
+            # Across workers each bucket is a gRPC collective: there they stay `bucket_bytes`.
+            bucket_bytes = min(bucket_bytes, LAYOUT_BUCKET_BYTES)
+        self.layout = FlatLayout.for_variables(variables, self.strategy.num_replicas_in_sync, bucket_bytes)
         with self.strategy.scope():
             self.flat = keras.Variable(
                 initializer="zeros",
@@ -773,20 +795,50 @@ class ShardedState:
             mine.setdefault(p.variable, []).append(p)
         kept: dict = {}
 
+        def keep(i: int, a: int, n: int, total) -> list:
+            """This replica's pieces of variable `i`'s summed gradient elements `[a, a + n)` (`total`), copied out."""
+            out = []
+            for p in mine.get(i, []):
+                lo, hi = max(p.start, a), min(p.stop, a + n)
+                if lo >= hi:
+                    continue
+                own = tf.raw_ops.DeepCopy(x=total[lo - a:hi - a])
+                parts = kept.setdefault((i, p.start), {})
+                parts[lo] = own if lo not in parts else parts[lo] + own
+                out.append(parts[lo])
+            return out
+
         def reducer(indices, grads):
             dense = [(i, g) for i, g in zip(indices, grads) if g is not None]
             if not dense:
                 return []
-            summed = collectives.all_reduce_sum([g for _, g in dense], step.options.bucket_bytes)
+            piece = REDUCE_PIECE_BYTES // 4
+            sizes = self.layout.sizes  # static, where a gradient's shape may not be
+            small = [(i, g) for i, g in dense if sizes[i] <= piece]
             done = []
-            for (i, _), total in zip(dense, summed):
-                flat = tf.reshape(total, [-1])
-                for p in mine.get(i, []):
-                    own = tf.raw_ops.DeepCopy(x=flat[p.start:p.stop])
-                    key = (i, p.start)
-                    kept[key] = own if key not in kept else kept[key] + own
-                    done.append(kept[key])
-            return done or [summed[0]]
+            if small:
+                # Small gradients are packed (buckets of at most REDUCE_PIECE_BYTES).
+                summed = collectives.all_reduce_sum(
+                    [g for _, g in small], min(step.options.bucket_bytes, REDUCE_PIECE_BYTES)
+                )
+                for (i, _), total in zip(small, summed):
+                    done += keep(i, 0, sizes[i], tf.reshape(total, [-1]))
+                done = done or [summed[0]]
+            # A larger gradient is summed piece after piece, each once the
+            # previous one's pieces are kept: not packed into a copy beside
+            # itself, and the collective's buffers are one piece's size.
+            previous = list(done)
+            for i, g in dense:
+                if sizes[i] <= piece:
+                    continue
+                flat = tf.reshape(g, [sizes[i]])
+                for a in range(0, sizes[i], piece):
+                    with tf.control_dependencies(previous):
+                        part = tf.identity(flat[a:a + piece])
+                    (total,) = collectives.all_reduce_sum([part], REDUCE_PIECE_BYTES)
+                    previous = keep(i, a, min(piece, sizes[i] - a), total) or [total]
+                    done += previous
+            return done
 
         self.largest_group = max(self.largest_group, step.layer_reductions.largest_group)
         values = step.compute_gradients(batch, reducer=reducer)
@@ -802,13 +854,16 @@ class ShardedState:
         return [shard, total] + riders
 
     def _slice_from_pieces(self, kept: dict, replica: int) -> tf.Tensor:
-        """Replica `replica`'s slice from its pieces `{(variable, start): values}`; zeros elsewhere."""
+        """Replica `replica`'s slice from its pieces `{(variable, start): {element: values}}`; zeros elsewhere."""
         parts = []
         for lo, hi in self.layout.owned_ranges(replica):
             position = 0
             for p in self.layout.range_pieces(lo, hi):
                 value = kept.get((p.variable, p.start))
-                parts.append(value if value is not None else tf.zeros([p.stop - p.start], tf.float32))
+                if value is None:
+                    parts.append(tf.zeros([p.stop - p.start], tf.float32))
+                else:
+                    parts += [value[start] for start in sorted(value)]
                 position = p.offset + p.stop - p.start
             if position < hi - lo:
                 parts.append(tf.zeros([hi - lo - position], tf.float32))
@@ -844,26 +899,63 @@ class ShardedState:
     def _update_slices(self, grads: list):
         """Cross-replica context: each replica's optimizer update of its own slice.
 
-        Returns the updated slices, `{job-wide replica id: S-element tensor}`
-        for this worker's replicas, for the all-gather. Each replica's slice is read from the model's
-        variables — they are the truth: `set_weights`, `load_weights` and
-        restored checkpoints write them — and updated as a tensor
-        (`_OwnedSlices`): no copy of the slice outlives the step.
+        Returns the updated slices for the all-gather, `{job-wide replica id:
+        [chunk of bucket 0, chunk of bucket 1, ...]}` for this worker's
+        replicas. Each replica's slice is read from the model's variables —
+        they are the truth: `set_weights`, `load_weights` and restored
+        checkpoints write them — and updated as a tensor (`_OwnedSlices`): no
+        copy of the slice outlives the step. An element-wise optimizer on a
+        dense slice updates it chunk by chunk (`_OwnedSlices.chunked`).
         """
         (g,) = grads
-        placement = _OwnedSlices(self, after=g)
+        placement = _OwnedSlices(self, after=g, chunked=self._updates_by_chunk(g))
 
         def mask():
             # Evaluated where each replica's update runs: decay only the
             # elements of variables that take weight decay.
             replica = tfc.replica_id_in_sync_group(self.strategy, tfc.update_replica_id())
-            return self.layout.mask(replica, self.decay)
+            full = self.layout.mask(replica, self.decay)
+            if full is None or placement.chunk is None:
+                return full
+            return full[placement.chunk[0]:placement.chunk[1]]
 
         update.apply_update(
             self.optimizer, [g], [self.flat], placement,
             decay_mask=mask if self.decay is not None else None, constrain=False, count=False,
         )
-        return {replica: stand_in.value for replica, stand_in in placement.stand_ins.items()}
+        c, buckets = self.layout.chunk_size, self.layout.num_buckets
+        updated = {}
+        for (replica, k), stand_in in placement.stand_ins.items():
+            if k is None:
+                updated[replica] = [stand_in.value[b * c:(b + 1) * c] for b in range(buckets)]
+            else:
+                updated.setdefault(replica, [None] * buckets)[k] = stand_in.value
+        return updated
+
+    def _updates_by_chunk(self, g) -> bool:
+        """Whether the update runs chunk by chunk (one chunk per bucket): its temporaries one chunk's size.
+
+        Needs several buckets, a dense gradient slice, and an optimizer whose
+        update is element-wise and touches nothing but its slots (no EMA
+        average, which is updated from the whole slice).
+        """
+        optimizer = self.optimizer
+        chunked = (
+            self.layout.num_buckets > 1
+            and not any(isinstance(v, tf.IndexedSlices) for v in self.strategy.experimental_local_results(g))
+            and type(optimizer).__name__ not in _WHOLE_TENSOR_OPTIMIZERS
+            and not kc.is_multi_optimizer(optimizer)
+            and not optimizer.use_ema
+        )
+        if chunked and not self._slots_chunked:
+            # Once, outside the step (`init_scope`): the slots go to copy-on-read mode (`kc.SlotChunk.prepare`).
+            with tf.init_scope():
+                for v in optimizer.variables:
+                    if v is not self.flat and tuple(v.shape) == tuple(self.flat.shape):
+                        for _, copy in self._components(v):
+                            kc.SlotChunk.prepare(copy)
+            self._slots_chunked = True
+        return chunked
 
     @tf.autograph.experimental.do_not_convert
     def _gather_bucket(self, k: int, updated: dict, after: dict) -> tf.Tensor:
@@ -874,9 +966,8 @@ class ShardedState:
         """
         ctx = tf.distribute.get_replica_context()
         replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
-        c = self.layout.chunk_size
         with tf.control_dependencies(after.get(replica, [])):
-            chunk = tf.identity(updated[replica][k * c:(k + 1) * c])
+            chunk = tf.identity(updated[replica][k])
         return collectives.all_gather_shards(chunk)
 
     @tf.autograph.experimental.do_not_convert
@@ -1022,8 +1113,12 @@ class _OwnedSlices(update.Placement):
         state: the `ShardedState`.
     """
 
-    def __init__(self, state: ShardedState, after=None):
+    def __init__(self, state: ShardedState, after=None, chunked: bool = False):
         self.state = state
+        self.chunked = chunked
+        # `[lo, hi)` of the slice while one chunk's update is being built (chunked).
+        self.chunk: tuple[int, int] | None = None
+        # {(job-wide replica id, chunk or None): VariableStandIn}
         self.stand_ins: dict = {}
         # Each replica's slice is read once its gradient slice exists (`after`,
         # per replica): left free, TensorFlow reads it while the gradients are
@@ -1034,24 +1129,63 @@ class _OwnedSlices(update.Placement):
         # `extended.update` hands a mirrored argument over whole, a copy of it as itself.
         self.flat_copies = {id(flat)} | {id(c) for c in state.strategy.experimental_local_results(flat)}
 
-    def stand_in(self):
-        """Inside `strategy.extended.update`: this replica's slice (read from the model at first use)."""
+    def stand_in(self, k: int | None = None):
+        """Inside `strategy.extended.update`: this replica's slice, or its chunk `k` (read from the model at first use)."""
         state = self.state
         replica = int(tfc.replica_id_in_sync_group(state.strategy, tfc.update_replica_id()))
-        if replica not in self.stand_ins:
+        if (replica, k) not in self.stand_ins:
             after = [self.after[tfc.update_replica_id()]] if self.after is not None else []
+            ranges = state.layout.owned_ranges(replica)
+            needed = {p.variable for lo, hi in (ranges if k is None else [ranges[k]])
+                      for p in state.layout.range_pieces(lo, hi)}
             with tf.control_dependencies(after):
-                weights = [tf.convert_to_tensor(kc.tf_variable(v)) for v in state.variables]
-            value = gather_shard(state.layout, weights, replica)
-            self.stand_ins[replica] = kc.VariableStandIn(state.optimizer, state.flat, value)
-        return self.stand_ins[replica]
+                weights = [tf.convert_to_tensor(kc.tf_variable(v)) if i in needed else None
+                           for i, v in enumerate(state.variables)]
+            if k is None:
+                value = gather_shard(state.layout, weights, replica)
+            else:
+                value = gather_range(state.layout, weights, *ranges[k])
+            self.stand_ins[(replica, k)] = kc.VariableStandIn(state.optimizer, state.flat, value)
+        return self.stand_ins[(replica, k)]
 
     def run(self, variable, fn, *args) -> None:
-        def on_replica(copy, *values):
-            values = [self.stand_in().value if id(v) in self.flat_copies else v for v in values]
-            return fn(self.stand_in() if variable is self.state.flat else copy, *values)
+        state = self.state
 
-        self.state.strategy.extended.update(kc.tf_variable(variable), on_replica, args=args, group=False)
+        def on_replica(copy, *values):
+            if not (self.chunked and variable is state.flat):
+                values = [self.stand_in().value if id(v) in self.flat_copies else v for v in values]
+                return fn(self.stand_in() if variable is state.flat else copy, *values)
+            # Chunk by chunk: each chunk's slots are read and written in place
+            # (`kc.slots_as_chunks`), and each chunk's work waits for the
+            # previous chunk's writes, so one chunk's temporaries are alive at a time.
+            local = tfc.update_replica_id()
+            c = state.layout.chunk_size
+            zero = tf.minimum(tf.cast(kc.tf_variable(kc.iterations_variable(state.optimizer)), tf.int32), 0)
+            previous: list = []
+            for k in range(state.layout.num_buckets):
+                self.chunk = (k * c, (k + 1) * c)
+                with tf.control_dependencies(previous):
+                    stand_in = self.stand_in(k)
+                    chunk_values = [
+                        stand_in.value if id(v) in self.flat_copies
+                        else v[k * c:(k + 1) * c] if _is_slice_sized(v, state.layout.shard_size)
+                        else v
+                        for v in values
+                    ]
+                    with kc.slots_as_chunks(
+                        state.optimizer, state.flat, k * c, (k + 1) * c,
+                        lambda slot: state.strategy.experimental_local_results(kc.tf_variable(slot))[local], zero,
+                    ) as slots:
+                        fn(stand_in, *chunk_values)
+                previous = [op for slot in slots for op in slot.writes] + [stand_in.value]
+            self.chunk = None
+
+        state.strategy.extended.update(kc.tf_variable(variable), on_replica, args=args, group=False)
+
+
+def _is_slice_sized(value, size: int) -> bool:
+    """Whether an update argument is a tensor of the slice's `[S]` shape (cut into chunks), not a scalar."""
+    return tf.is_tensor(value) and value.shape.rank == 1 and value.shape[0] == size
 
 
 # Keras optimizers keep some slot lists as attributes (checkpointed by name).
