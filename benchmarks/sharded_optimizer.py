@@ -38,9 +38,13 @@ issue's targets name (stage 1 <= 0.70, stage 2 <= 0.55, stage 3 <= 0.35 at
 N = 4).
 
 Step time: after the measured epoch, epochs of `--timed-steps` steps (the
-same batches repeated) are timed, one warm-up then `--timed-epochs` (wall
-clock per step, the median), in the RSS run (on GPU, the device run); the
-ratio to mirrored Adam's is printed. On the shared 2-core CPU host the N
+same batches repeated) are run, one warm-up then `--timed-epochs`, and each
+step is timed from the start to the end of its batch (a Keras callback; the
+median), in the RSS run (on GPU, the device run): `fit`'s own set-up per
+call, 3-4 s here and varying by whole 100 ms steps from call to call, is not
+a step's cost. The ratio to mirrored Adam's is printed. "stage 2 sbb=0" is
+stage 2 with `shard_bucket_bytes=0` (buckets of `bucket_bytes`, the update
+on the whole slice): the faster, larger-peak setting. On the shared 2-core CPU host the N
 logical devices share the cores, so these are the cost of the step's
 structure, not of its arithmetic. `tfdist.memory_report`'s per-kind bytes of
 the variables are recorded in the JSON.
@@ -67,8 +71,11 @@ CONFIGS = [
     ("mirrored", "mirrored", None, "adam"),
     ("stage 1", "sharded_optimizer", 1, "adam"),
     ("stage 2", "sharded_optimizer", 2, "adam"),
+    # shard_bucket_bytes=0: the layout in bucket_bytes buckets and the whole-slice update (faster, more memory).
+    ("stage 2 sbb=0", "sharded_optimizer", 2, "adam"),
     ("stage 3", "sharded_optimizer", 3, "adam"),
 ]
+SHARD_BUCKET_BYTES = {"stage 2 sbb=0": 0}
 
 
 def peak_rss_bytes() -> int:
@@ -87,7 +94,7 @@ def peak_rss_bytes() -> int:
 
 def run_one(
     strategy_name: str, stage, optimizer: str, replicas: int, batch: int, steps: int, width: int, measure: str,
-    timed_epochs: int = 3, timed_steps: int = 12, depth: int = 3,
+    timed_epochs: int = 3, timed_steps: int = 12, depth: int = 3, shard_bucket_bytes: int | None = None,
 ) -> dict:
     """Runs in the child process: one configuration, returns its measurements."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -106,6 +113,8 @@ def run_one(
     x = rng.standard_normal((batch * steps, 64)).astype("float32")
     y = rng.integers(0, 10, batch * steps).astype("int32")
     options = {"stage": stage} if stage else {}
+    if shard_bucket_bytes is not None:
+        options["shard_bucket_bytes"] = shard_bucket_bytes
     if on_gpu:
         options["devices"] = [f"/gpu:{i}" for i in range(replicas)]
     strategy = tfdist.get_strategy(strategy_name, **options)
@@ -131,12 +140,22 @@ def run_one(
         reps = -(-timed_steps // steps)
         tx, ty = np.concatenate([x] * reps)[: batch * timed_steps], np.concatenate([y] * reps)[: batch * timed_steps]
         model.fit(tx, ty, batch_size=batch, epochs=1, shuffle=False, verbose=0)  # warm-up
-        times = []
+
+        class StepTimes(keras.callbacks.Callback):
+            """Each training step's wall time, begin to end of the batch (not fit's own set-up)."""
+
+            times: list = []
+
+            def on_train_batch_begin(self, batch, logs=None):
+                self.start = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.times.append(time.perf_counter() - self.start)
+
+        timer = StepTimes()
         for _ in range(timed_epochs):
-            start = time.perf_counter()
-            model.fit(tx, ty, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-            times.append((time.perf_counter() - start) / timed_steps)
-        step_seconds = statistics.median(times)
+            model.fit(tx, ty, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+        step_seconds = statistics.median(timer.times)
     result = {
         "strategy": strategy_name,
         "stage": stage,
@@ -174,6 +193,7 @@ def run_child(config: tuple, replicas: int, args, measure: str) -> dict:
     label, name, stage, optimizer = config
     cmd = [
         sys.executable, __file__, "--child", name, str(stage or 0), optimizer, measure,
+        *(["--shard-bucket-bytes", str(SHARD_BUCKET_BYTES[label])] if label in SHARD_BUCKET_BYTES else []),
         "--replicas", str(replicas), "--batch", str(args.batch), "--steps", str(args.steps),
         "--width", str(args.width), "--depth", str(args.depth), "--timed-epochs", str(args.timed_epochs),
         "--timed-steps", str(args.timed_steps),
@@ -205,6 +225,7 @@ def main() -> None:
     parser.add_argument("--bucket-bytes", type=int, default=None, help="step option bucket_bytes (default: tfdist's)")
     parser.add_argument("--timed-epochs", type=int, default=3, help="epochs timed for the step time (median)")
     parser.add_argument("--timed-steps", type=int, default=12, help="steps per timed epoch (default 12)")
+    parser.add_argument("--shard-bucket-bytes", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", nargs=4, metavar=("NAME", "STAGE", "OPTIMIZER", "MEASURE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -212,7 +233,7 @@ def main() -> None:
         replicas = args.replicas[0]
         print(json.dumps(run_one(
             name, stage, optimizer, replicas, args.batch, args.steps, args.width, measure, args.timed_epochs,
-            args.timed_steps, args.depth,
+            args.timed_steps, args.depth, args.shard_bucket_bytes,
         )))
         return
 
@@ -227,10 +248,11 @@ def main() -> None:
         first = measured[measures[0]]
         predicted = formulas(first["mirrored"]["parameters"], n)
         for label in first:
+            formula = predicted[label.split(" sbb=")[0]]
             row = {"label": label, "replicas": n, "parameters": first[label]["parameters"],
-                   "per_device": first[label]["per_device"], "formula_bytes_per_device": predicted[label],
-                   "formula_ratio_to_mirrored": predicted[label] / predicted["mirrored"],
-                   "formula_growth_ratio_to_mirrored": (predicted[label] - predicted["sgd baseline"])
+                   "per_device": first[label]["per_device"], "formula_bytes_per_device": formula,
+                   "formula_ratio_to_mirrored": formula / predicted["mirrored"],
+                   "formula_growth_ratio_to_mirrored": (formula - predicted["sgd baseline"])
                    / (predicted["mirrored"] - predicted["sgd baseline"])}
             for m in measures:
                 base = measured[m]["sgd baseline"]["peak_bytes"]
@@ -249,7 +271,7 @@ def main() -> None:
         f"{args.steps} steps, bucket_bytes {args.bucket_bytes or 'default (25 MiB)'}; peaks in MiB, "
         "growth above the same N's mirrored-SGD baseline"
     )
-    header = f"{'run':<13} {'N':>2}"
+    header = f"{'run':<14} {'N':>2}"
     for m in measures:
         header += f" {m + ' peak':>15} {'growth':>8} {'/mirrored':>9}"
         if m != "rss":
@@ -257,7 +279,7 @@ def main() -> None:
     header += f" {'step ms':>8} {'/mirr':>6}"
     print(header + f" {'formula/dev':>12} {'/mirrored':>9} {'growth/mirr':>12}")
     for row in rows:
-        line = f"{row['label']:<13} {row['replicas']:>2}"
+        line = f"{row['label']:<14} {row['replicas']:>2}"
         for m in measures:
             r = row[m]
             line += f" {r['peak_bytes'] / mib:>15.0f} {r['growth_bytes'] / mib:>8.1f} {r['growth_ratio_to_mirrored']:>9.2f}"

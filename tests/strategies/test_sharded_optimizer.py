@@ -649,7 +649,7 @@ def test_native_reduce_scatter_has_no_cpu_implementation():
     assert "did not find collective implementation" in out.stdout
 
 
-def _step_graph(stage, bucket_bytes, digits, by_layer=True):
+def _step_graph(stage, bucket_bytes, digits, by_layer=True, **options):
     """The traced graph of one training step of the digits model, Adam, 4 replicas.
 
     `by_layer=False` traces the path models that are not reduced layer by
@@ -658,7 +658,7 @@ def _step_graph(stage, bucket_bytes, digits, by_layer=True):
     """
     from tfdist.engine.step import TrainStep
 
-    strategy = sharded(4, stage, bucket_bytes=bucket_bytes)
+    strategy = sharded(4, stage, bucket_bytes=bucket_bytes, **options)
     with strategy.scope():
         model = build_model(optimizer=keras.optimizers.Adam(1e-3), metrics=())
         model.optimizer.build(model.trainable_variables)
@@ -817,15 +817,12 @@ def test_chunked_and_whole_slice_updates_agree(data10, monkeypatch):
         assert max_relative_difference(canonical(whole), canonical(chunked)) < 1e-6, name
 
 
-def test_a_gradient_larger_than_a_piece_is_reduced_piece_after_piece(digits, monkeypatch):
-    # With 2048-byte pieces, the first kernel's gradient (64 x 32, 8192
-    # bytes) is summed in 4 pieces of 512 elements, each once this replica
-    # has kept its share of the previous one; the other gradients (small)
-    # go as before. The collective's buffers are one piece's size.
-    from tfdist.strategies import sharded_optimizer
-
-    monkeypatch.setattr(sharded_optimizer, "REDUCE_PIECE_BYTES", 2048)
-    _, ops = _step_graph(2, 1024, digits)
+def test_a_gradient_larger_than_a_piece_is_reduced_piece_after_piece(digits):
+    # With shard_bucket_bytes=2048, the first kernel's gradient (64 x 32,
+    # 8192 bytes) is summed in 4 pieces of 512 elements, each once this
+    # replica has kept its share of the previous one; the other gradients
+    # (small) go as before. The collective's buffers are one piece's size.
+    _, ops = _step_graph(2, 1024, digits, shard_bucket_bytes=2048)
     reduces = [op for op in ops if op.type == "CollectiveReduceV2"]
     assert sorted(op.inputs[0].shape.num_elements() for op in reduces) == sorted([512] * 4 * 4 + [32, 320, 10, 1] * 4)
     pieces = [op for op in reduces if op.inputs[0].shape.num_elements() == 512]
@@ -836,24 +833,30 @@ def test_a_gradient_larger_than_a_piece_is_reduced_piece_after_piece(digits, mon
 
 def test_the_layout_cuts_a_large_model_into_small_buckets():
     # 2.17M parameters (8.3 MiB), 2 replicas, the default 25 MiB bucket_bytes:
-    # the layout's buckets are at most LAYOUT_BUCKET_BYTES (1 MiB), the unit of
-    # the update and of the all-gather. bucket_bytes=0 keeps one bucket.
+    # the layout's buckets are at most shard_bucket_bytes (default 1 MiB),
+    # the unit of the update and of the all-gather. shard_bucket_bytes=0
+    # leaves bucket_bytes to decide (one bucket here), and bucket_bytes=0
+    # keeps one bucket whatever shard_bucket_bytes is.
     from tfdist.strategies.sharded_optimizer import LAYOUT_BUCKET_BYTES
 
     layouts = []
-    for options in ({}, {"bucket_bytes": 0}):
+    for options in ({}, {"shard_bucket_bytes": 2 << 20}, {"shard_bucket_bytes": 0}, {"bucket_bytes": 0}):
         with sharded(2, 2, **options).scope():
             model = keras.Sequential([keras.Input((64,))] + [keras.layers.Dense(1024) for _ in range(3)]
                                      + [keras.layers.Dense(10)])
             model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
             model.optimizer.build(model.trainable_variables)
         layouts.append(kc.sharded_state(model.optimizer).layout)
-    small, whole = layouts
     assert LAYOUT_BUCKET_BYTES == 2**20
-    assert small.total == 2_176_010
-    assert small.num_buckets == -(-small.total * 4 // LAYOUT_BUCKET_BYTES) == 9
-    assert small.num_shards * small.chunk_size * 4 <= LAYOUT_BUCKET_BYTES
-    assert (whole.num_buckets, whole.shard_size) == (1, 1_088_005)
+    assert layouts[0].total == 2_176_010
+    assert [layout.num_buckets for layout in layouts] == [9, 5, 1, 1]
+    assert layouts[0].num_shards * layouts[0].chunk_size * 4 <= LAYOUT_BUCKET_BYTES
+    assert layouts[2].shard_size == 1_088_005
+    with pytest.raises(tfdist.options.OptionError, match=re.escape(
+        "option 'shard_bucket_bytes' must be an integer >= 0 (bytes per bucket of the sharded update; 0: the "
+        "step's bucket_bytes). Received: shard_bucket_bytes=-1"
+    )):
+        sharded(2, 2, shard_bucket_bytes=-1)
 
 
 _STEP_PEAK_CHILD = textwrap.dedent(

@@ -78,23 +78,30 @@ from tfdist.strategies.base import run_creation_hooks
 from tfdist.strategies.mirrored import MirroredStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
-# On one host, the flat layout's buckets are at most this many bytes (and at
-# most `bucket_bytes`; `bucket_bytes=0` keeps one bucket; across workers,
-# where each bucket is a gRPC collective, `bucket_bytes`). A bucket's chunk is the
-# unit of the optimizer update (`_OwnedSlices.chunked`) and of the all-gather
-# into the weights, so a replica's update temporaries and gathered weights are
-# about this size at a time, not its whole slice. Measured on the benchmark's
-# 3 x 2048 MLP (allocator peak / mirrored's, stage 2, chunked update): with
-# 4 MiB buckets 0.74 at N = 2 and 0.57 at N = 4, with 1 MiB 0.66-0.71 and
-# 0.53-0.55 (docs/sharded_optimizer.md, Memory). Gradients still travel in
-# `bucket_bytes` groups.
+# The default of `shard_bucket_bytes`: on one host, the flat layout's buckets
+# are at most this many bytes (and at most `bucket_bytes`). A bucket's chunk
+# is the unit of the optimizer update (`_OwnedSlices.chunked`) and of the
+# all-gather into the weights, so a replica's update temporaries and gathered
+# weights are about this size at a time, not its whole slice. Measured on the
+# benchmark's 3 x 2048 MLP (allocator peak / mirrored's, stage 2): 0.65 at
+# N = 2 and 0.54 at N = 4 with 1 MiB, at a step time of 1.9x and 2.5x
+# mirrored's on the 2-core CPU host, where each collective and op costs;
+# `shard_bucket_bytes=0` (`bucket_bytes` buckets, the whole-slice update):
+# 0.89 and 0.61, at 1.20x and 1.08x (docs/sharded_optimizer.md, Memory).
 LAYOUT_BUCKET_BYTES = 1 << 20
-# Stages 1 and 2 reducing layer by layer (`ShardedState.reduce_by_unit`) sum a
-# gradient larger than this in pieces of this size, one after another: the
-# collective's buffers (a ring all-reduce holds about (N - 1) / N of its input
-# in temporary chunks) are one piece's, not one variable's.
-REDUCE_PIECE_BYTES = 1 << 20
-
+SHARD_BUCKET_BYTES = options_lib.Option(
+    name="shard_bucket_bytes",
+    default=LAYOUT_BUCKET_BYTES,
+    types=(int,),
+    expected="an integer >= 0 (bytes per bucket of the sharded update; 0: the step's bucket_bytes)",
+    doc=(
+        "On one host, stages 1 and 2 update and all-gather the parameters in buckets of at most "
+        "this many bytes (and at most bucket_bytes), and sum a gradient larger than it in pieces "
+        "of this size: smaller lowers the step's peak memory, larger runs fewer collectives and "
+        "ops. Default 1 MiB; 0 uses bucket_bytes (across workers bucket_bytes always)."
+    ),
+    check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+)
 STAGE = options_lib.Option(
     name="stage",
     default=1,
@@ -270,7 +277,8 @@ class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclas
     )
     # The multi-worker arguments are listed so that presets and error messages know them; given
     # (not None), they select MultiWorkerShardedOptimizerStrategy in __new__.
-    PARAMS = {"stage": STAGE, "devices": options_lib.DEVICES, **MultiWorkerMirroredStrategy.PARAMS}
+    PARAMS = {"stage": STAGE, "shard_bucket_bytes": SHARD_BUCKET_BYTES, "devices": options_lib.DEVICES,
+              **MultiWorkerMirroredStrategy.PARAMS}
 
     def __new__(cls, *args, **kwargs):
         if cls is ShardedOptimizerStrategy and _runs_across_workers(kwargs):
@@ -330,7 +338,7 @@ class MultiWorkerShardedOptimizerStrategy(_ShardedStrategyMixin, MultiWorkerMirr
     """
 
     name = "sharded_optimizer"
-    PARAMS = {"stage": STAGE, **MultiWorkerMirroredStrategy.PARAMS}
+    PARAMS = {"stage": STAGE, "shard_bucket_bytes": SHARD_BUCKET_BYTES, **MultiWorkerMirroredStrategy.PARAMS}
 
     def __init__(self, stage: int = 1, **kwargs):
         _check_stage(stage)
@@ -499,9 +507,9 @@ class ShardedState:
             )
         self.variables = variables
         bucket_bytes = self.strategy.options.bucket_bytes
-        if bucket_bytes > 0 and not self.across_workers:
-            # Across workers each bucket is a gRPC collective: there they stay `bucket_bytes`.
-            bucket_bytes = min(bucket_bytes, LAYOUT_BUCKET_BYTES)
+        shard_bytes = self.shard_bucket_bytes
+        if bucket_bytes > 0 and shard_bytes > 0:
+            bucket_bytes = min(bucket_bytes, shard_bytes)
         self.layout = FlatLayout.for_variables(variables, self.strategy.num_replicas_in_sync, bucket_bytes)
         with self.strategy.scope():
             self.flat = keras.Variable(
@@ -620,6 +628,13 @@ class ShardedState:
         """This worker's copies of a flat variable: `[(job-wide replica id, copy), ...]`."""
         local = self.strategy.experimental_local_results(kc.tf_variable(variable))
         return [(tfc.replica_id_in_sync_group(self.strategy, i), c) for i, c in enumerate(local)]
+
+    @property
+    def shard_bucket_bytes(self) -> int:
+        """The strategy's `shard_bucket_bytes` on one host; 0 (use `bucket_bytes`) across workers."""
+        if self.across_workers:
+            return 0
+        return int(self.strategy._tfdist_params.get("shard_bucket_bytes", LAYOUT_BUCKET_BYTES))
 
     @property
     def across_workers(self) -> bool:
@@ -812,21 +827,25 @@ class ShardedState:
             dense = [(i, g) for i, g in zip(indices, grads) if g is not None]
             if not dense:
                 return []
-            piece = REDUCE_PIECE_BYTES // 4
             sizes = self.layout.sizes  # static, where a gradient's shape may not be
+            # With shard_bucket_bytes, a gradient larger than it is summed in
+            # pieces of that size; without, every gradient as it is (packed
+            # into bucket_bytes, a larger one alone).
+            piece_bytes = self.shard_bucket_bytes
+            piece = piece_bytes // 4 if piece_bytes > 0 else max(sizes)
+            pack_bytes = min(step.options.bucket_bytes, piece_bytes) if piece_bytes > 0 else step.options.bucket_bytes
             small = [(i, g) for i, g in dense if sizes[i] <= piece]
             done = []
             if small:
-                # Small gradients are packed (buckets of at most REDUCE_PIECE_BYTES).
-                summed = collectives.all_reduce_sum(
-                    [g for _, g in small], min(step.options.bucket_bytes, REDUCE_PIECE_BYTES)
-                )
+                summed = collectives.all_reduce_sum([g for _, g in small], pack_bytes)
                 for (i, _), total in zip(small, summed):
                     done += keep(i, 0, sizes[i], tf.reshape(total, [-1]))
                 done = done or [summed[0]]
             # A larger gradient is summed piece after piece, each once the
             # previous one's pieces are kept: not packed into a copy beside
-            # itself, and the collective's buffers are one piece's size.
+            # itself, and the collective's buffers (a ring all-reduce holds
+            # about (N - 1) / N of its input in temporary chunks) are one
+            # piece's size, not the variable's.
             previous = list(done)
             for i, g in dense:
                 if sizes[i] <= piece:
@@ -835,7 +854,7 @@ class ShardedState:
                 for a in range(0, sizes[i], piece):
                     with tf.control_dependencies(previous):
                         part = tf.identity(flat[a:a + piece])
-                    (total,) = collectives.all_reduce_sum([part], REDUCE_PIECE_BYTES)
+                    (total,) = collectives.all_reduce_sum([part], piece_bytes)
                     previous = keep(i, a, min(piece, sizes[i] - a), total) or [total]
                     done += previous
             return done
@@ -935,13 +954,16 @@ class ShardedState:
     def _updates_by_chunk(self, g) -> bool:
         """Whether the update runs chunk by chunk (one chunk per bucket): its temporaries one chunk's size.
 
-        Needs several buckets, a dense gradient slice, and an optimizer whose
-        update is element-wise and touches nothing but its slots (no EMA
-        average, which is updated from the whole slice).
+        Needs several buckets of at most `shard_bucket_bytes` (with
+        `shard_bucket_bytes=0`, the faster whole-slice update), a dense
+        gradient slice, and an optimizer whose update is element-wise and
+        touches nothing but its slots (no EMA average, which is updated from
+        the whole slice).
         """
         optimizer = self.optimizer
         chunked = (
             self.layout.num_buckets > 1
+            and self.shard_bucket_bytes > 0
             and not any(isinstance(v, tf.IndexedSlices) for v in self.strategy.experimental_local_results(g))
             and type(optimizer).__name__ not in _WHOLE_TENSOR_OPTIMIZERS
             and not kc.is_multi_optimizer(optimizer)
@@ -976,19 +998,26 @@ class ShardedState:
 
         A bucket is a contiguous range of the flat parameters: a variable
         inside it is assigned a copy of its slice of the gathered bucket (no
-        whole-model buffer, unpadding copy or split); a variable that only
-        partly lies in it gets that part written now, into a copy of its
-        current value (`TensorStridedSliceUpdate`), so nothing of this bucket
-        is kept for the next one. Either way one new buffer of the variable's
-        size exists while it is written. `after` gets each replica's writes
-        and gathered bucket, for the next bucket to wait on.
+        whole-model buffer, unpadding copy or split). A variable that spans
+        buckets gets each bucket's part written as it arrives
+        (`TensorStridedSliceUpdate`): the first part into a copy of its
+        current value, each later part into that same buffer (in place: the
+        buffer has no other user), which is assigned once the last part is
+        in. So nothing of a bucket is kept for the next one, one new buffer
+        of the variable's size exists while it is written, and it is copied
+        once per step, not once per bucket (with 1 MiB buckets a 16 MiB kernel
+        spans 17; copying it per part cost stage 2 a fifth of its step).
+        `after` gets each replica's writes and gathered bucket, for the next
+        bucket to wait on, and, under "pending", the variables being written.
         """
         layout, strategy = self.layout, self.strategy
+        pending = after.setdefault("pending", {})
         done: dict = {}
         for p in layout.range_pieces(*layout.bucket_range(k)):
             size = layout.sizes[p.variable]
 
             def write(x, value, p=p, size=size, shape=layout.shapes[p.variable]):
+                replica = int(tfc.replica_id_in_sync_group(strategy, tfc.update_replica_id()))
                 piece = value[p.offset:p.offset + p.stop - p.start]
                 if p.start == 0 and p.stop == size:
                     # A slice at an aligned offset shares the gathered bucket's buffer, and a
@@ -996,17 +1025,22 @@ class ShardedState:
                     # (measured: 2 model-sized buffers over 4 replicas): copy it.
                     whole = tf.raw_ops.DeepCopy(x=piece)
                 else:
+                    base = pending.pop((replica, p.variable), None)
                     whole = tf.raw_ops.TensorStridedSliceUpdate(
-                        input=tf.reshape(x.read_value(), [size]), begin=[p.start], end=[p.stop], strides=[1],
-                        value=piece,
+                        input=tf.reshape(x.read_value(), [size]) if base is None else base,
+                        begin=[p.start], end=[p.stop], strides=[1], value=piece,
                     )
+                    if p.stop < size:
+                        pending[(replica, p.variable)] = whole
+                        done.setdefault(replica, []).append(whole)
+                        return whole
                 op = x.assign(tf.reshape(whole, shape), read_value=False)
-                replica = int(tfc.replica_id_in_sync_group(strategy, tfc.update_replica_id()))
                 done.setdefault(replica, []).append(op)
                 return op
 
             strategy.extended.update(kc.tf_variable(self.variables[p.variable]), write, args=(gathered,), group=False)
         after.clear()
+        after["pending"] = pending
         for i, value in enumerate(strategy.experimental_local_results(gathered)):
             replica = int(tfc.replica_id_in_sync_group(strategy, i))
             after[replica] = done.get(replica, []) + [value]
