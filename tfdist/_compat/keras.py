@@ -597,8 +597,31 @@ def slots_as_parts(optimizer, variable, index: int):
     variable the optimizer does not train (an EMA average) has no slots:
     nothing is replaced.
     """
-    position = optimizer._trainable_variables_indices.get(optimizer._var_key(variable))
     layout = [(p.shape, p.device) for p in variable_parts(variable)]
+
+    def part(entry):
+        if not (isinstance(entry, keras.Variable) and is_sharded(entry)):
+            return None
+        # A slot is split like its variable, part beside part: a list that is
+        # not indexed by variable (the optimizer's `_variables`) is left alone.
+        if [(p.shape, p.device) for p in variable_parts(entry)] != layout:
+            return None
+        return tf_variable(entry).variables[index]
+
+    with _slot_entries_replaced(optimizer, variable, part):
+        yield
+
+
+@contextlib.contextmanager
+def _slot_entries_replaced(optimizer, variable, replace):
+    """Inside: each list attribute's entry for `variable` (its slots) replaced by `replace(entry)`.
+
+    Keras optimizers keep per-variable state in list attributes indexed by
+    the variable's position (the private `_trainable_variables_indices`).
+    Entries that are `variable` itself, or for which `replace` returns None,
+    are left alone. Yields the replacements; restores the entries after.
+    """
+    position = optimizer._trainable_variables_indices.get(optimizer._var_key(variable))
     swapped = []
     for value in list(vars(optimizer).values()) if position is not None else []:
         if not isinstance(value, list) or len(value) <= position:
@@ -609,16 +632,13 @@ def slots_as_parts(optimizer, variable, index: int):
         # before anything saves.
         storage = getattr(value, "_storage", value)
         entry = storage[position]
-        if entry is variable or not (isinstance(entry, keras.Variable) and is_sharded(entry)):
-            continue
-        # A slot is split like its variable, part beside part: a list that is
-        # not indexed by variable (the optimizer's `_variables`) is left alone.
-        if [(p.shape, p.device) for p in variable_parts(entry)] != layout:
+        replacement = None if entry is variable else replace(entry)
+        if replacement is None:
             continue
         swapped.append((storage, position, entry))
-        storage[position] = tf_variable(entry).variables[index]
+        storage[position] = replacement
     try:
-        yield
+        yield [values[i] for values, i, _ in swapped]
     finally:
         for values, i, entry in swapped:
             values[i] = entry
@@ -714,23 +734,13 @@ def slots_as_chunks(optimizer, variable, lo: int, hi: int, local, zero):
     slot's copy where the update runs), then restored. `zero`: a scalar int32
     0 computed at run time (see `SlotChunk`). Yields the `SlotChunk`s.
     """
-    position = optimizer._trainable_variables_indices.get(optimizer._var_key(variable))
-    swapped = []
-    for value in list(vars(optimizer).values()) if position is not None else []:
-        if not isinstance(value, list) or len(value) <= position:
-            continue
-        # Keras's `ListWrapper`s are written through their `_storage` (see `slots_as_parts`).
-        storage = getattr(value, "_storage", value)
-        entry = storage[position]
-        if entry is variable or not isinstance(entry, keras.Variable) or tuple(entry.shape) != tuple(variable.shape):
-            continue
-        swapped.append((storage, position, entry))
-        storage[position] = SlotChunk(local(entry), lo, hi, zero)
-    try:
-        yield [values[i] for values, i, _ in swapped]
-    finally:
-        for values, i, entry in swapped:
-            values[i] = entry
+    def chunk(entry):
+        if not isinstance(entry, keras.Variable) or tuple(entry.shape) != tuple(variable.shape):
+            return None
+        return SlotChunk(local(entry), lo, hi, zero)
+
+    with _slot_entries_replaced(optimizer, variable, chunk) as chunks:
+        yield chunks
 
 
 def adam_family_slots(optimizer, variable):
