@@ -124,6 +124,11 @@ _WHOLE_TENSOR_OPTIMIZERS = {
     "elements of several variables",
 }
 
+def _updates_per_element(optimizer) -> bool:
+    """Whether `optimizer`'s update is element-wise, so it can run on any part of a variable and its slots."""
+    return type(optimizer).__name__ not in _WHOLE_TENSOR_OPTIMIZERS and not kc.is_multi_optimizer(optimizer)
+
+
 _TF_KERAS_MESSAGE = (
     "tf-keras models cannot be trained under the 'sharded_optimizer' strategy: tf-keras "
     "runs its own distributed step and would keep a full optimizer state on every replica. "
@@ -965,8 +970,7 @@ class ShardedState:
             self.layout.num_buckets > 1
             and self.shard_bucket_bytes > 0
             and not any(isinstance(v, tf.IndexedSlices) for v in self.strategy.experimental_local_results(g))
-            and type(optimizer).__name__ not in _WHOLE_TENSOR_OPTIMIZERS
-            and not kc.is_multi_optimizer(optimizer)
+            and _updates_per_element(optimizer)
             and not optimizer.use_ema
         )
         if chunked and not self._slots_chunked:
@@ -1270,8 +1274,7 @@ class _ShardsInPlace(update.Placement):
 
     def __init__(self, strategy, optimizer=None):
         self.every_copy = update.EveryCopy(strategy)
-        per_element = optimizer is not None and type(optimizer).__name__ not in _WHOLE_TENSOR_OPTIMIZERS
-        self.optimizer = optimizer if per_element and not kc.is_multi_optimizer(optimizer) else None
+        self.optimizer = optimizer if optimizer is not None and _updates_per_element(optimizer) else None
 
     def run(self, variable, fn, *args) -> None:
         if not kc.is_sharded(variable):
