@@ -40,7 +40,10 @@ N = 4).
 Step time: after the measured epoch, epochs of `--timed-steps` steps (the
 same batches repeated) are run, one warm-up then `--timed-epochs`, and each
 step is timed from the start to the end of its batch (a Keras callback; the
-median), in the RSS run (on GPU, the device run): `fit`'s own set-up per
+median), in the RSS run (on GPU, the device run) and in `--timing-runs` - 1
+more processes per configuration, run in turn (default 3 in all: one
+process's median moves by 10-15% from the next on this shared host); the
+step time is the median of the processes' medians: `fit`'s own set-up per
 call, 3-4 s here and varying by whole 100 ms steps from call to call, is not
 a step's cost. The ratio to mirrored Adam's is printed. "stage 2 sbb=0" is
 stage 2 with `shard_bucket_bytes=0` (buckets of `bucket_bytes`, the update
@@ -59,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -170,6 +174,8 @@ def run_one(
         if not peaks or any(p is None for p in peaks):
             raise RuntimeError(f"TensorFlow reported no allocator peak for some device: {report}")
         result.update(measure="peak per device (GPU allocator)", peak_bytes=max(peaks))
+    elif measure == "time":
+        result.update(measure="step time only")
     elif measure == "allocator":
         result.update(measure="TensorFlow CPU allocator peak", peak_bytes=tf.config.experimental.get_memory_info("CPU:0")["peak"])
     else:
@@ -193,7 +199,10 @@ def run_child(config: tuple, replicas: int, args, measure: str) -> dict:
     label, name, stage, optimizer = config
     cmd = [
         sys.executable, __file__, "--child", name, str(stage or 0), optimizer, measure,
-        *(["--shard-bucket-bytes", str(SHARD_BUCKET_BYTES[label])] if label in SHARD_BUCKET_BYTES else []),
+        *(["--shard-bucket-bytes", str(SHARD_BUCKET_BYTES[label])] if label in SHARD_BUCKET_BYTES
+          else ["--shard-bucket-bytes", str(args.shard_bucket_bytes)]
+          if args.shard_bucket_bytes is not None and name == "sharded_optimizer"
+          else []),
         "--replicas", str(replicas), "--batch", str(args.batch), "--steps", str(args.steps),
         "--width", str(args.width), "--depth", str(args.depth), "--timed-epochs", str(args.timed_epochs),
         "--timed-steps", str(args.timed_steps),
@@ -209,7 +218,7 @@ def run_child(config: tuple, replicas: int, args, measure: str) -> dict:
             f"{label} at N={replicas} could not be measured (exit {out.returncode}):\n{out.stderr[-3000:]}"
         )
     run = json.loads(out.stdout.strip().splitlines()[-1])
-    if not run.get("peak_bytes"):
+    if measure != "time" and not run.get("peak_bytes"):
         raise SystemExit(f"{label} at N={replicas} reported no peak ({measure}): {run}")
     run["label"] = label
     return run
@@ -225,7 +234,14 @@ def main() -> None:
     parser.add_argument("--bucket-bytes", type=int, default=None, help="step option bucket_bytes (default: tfdist's)")
     parser.add_argument("--timed-epochs", type=int, default=3, help="epochs timed for the step time (median)")
     parser.add_argument("--timed-steps", type=int, default=12, help="steps per timed epoch (default 12)")
-    parser.add_argument("--shard-bucket-bytes", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--timing-runs", type=int, default=3,
+        help="processes per configuration whose step times are taken (median of their medians; default 3)",
+    )
+    parser.add_argument(
+        "--shard-bucket-bytes", type=int, default=None,
+        help="strategy option shard_bucket_bytes for stages 1, 2 and 3 (default: tfdist's)",
+    )
     parser.add_argument("--child", nargs=4, metavar=("NAME", "STAGE", "OPTIMIZER", "MEASURE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -246,6 +262,12 @@ def main() -> None:
     for n in args.replicas:
         measured = {m: {c[0]: run_child(c, n, args, m) for c in CONFIGS} for m in measures}
         first = measured[measures[0]]
+        # Step time moves by 10-15% from one process to the next on a shared host (each
+        # configuration's median, mirrored's too): more processes per configuration, in turn.
+        timings = {label: [run["step_seconds"]] for label, run in first.items()}
+        for _ in range(args.timing_runs - 1):
+            for c in CONFIGS:
+                timings[c[0]].append(run_child(c, n, args, "time")["step_seconds"])
         predicted = formulas(first["mirrored"]["parameters"], n)
         for label in first:
             formula = predicted[label.split(" sbb=")[0]]
@@ -262,13 +284,15 @@ def main() -> None:
                           "growth_bytes": growth, "growth_ratio_to_mirrored": growth / mirrored_growth,
                           "peak_ratio_to_mirrored": measured[m][label]["peak_bytes"]
                           / measured[m]["mirrored"]["peak_bytes"]}
-            timed = first[label]["step_seconds"]
+            timed = statistics.median(timings[label])
             row["step_seconds"] = timed
-            row["step_ratio_to_mirrored"] = timed / first["mirrored"]["step_seconds"]
+            row["step_seconds_per_process"] = timings[label]
+            row["step_ratio_to_mirrored"] = timed / statistics.median(timings["mirrored"])
             rows.append(row)
     print(
         f"{rows[0]['parameters'] / 1e6:.2f}M parameters, {args.depth} x {args.width} MLP, Adam, global batch {args.batch}, "
-        f"{args.steps} steps, bucket_bytes {args.bucket_bytes or 'default (25 MiB)'}; peaks in MiB, "
+        f"{args.steps} steps, bucket_bytes {args.bucket_bytes or 'default (25 MiB)'}, shard_bucket_bytes "
+        f"{args.shard_bucket_bytes if args.shard_bucket_bytes is not None else 'default'}; peaks in MiB, "
         "growth above the same N's mirrored-SGD baseline"
     )
     header = f"{'run':<14} {'N':>2}"
@@ -300,7 +324,7 @@ def main() -> None:
     common.write_results(
         "sharded_optimizer",
         {"batch": args.batch, "steps": args.steps, "width": args.width, "depth": args.depth,
-         "bucket_bytes": args.bucket_bytes,
+         "bucket_bytes": args.bucket_bytes, "shard_bucket_bytes": args.shard_bucket_bytes,
          "runs": rows},
     )
 

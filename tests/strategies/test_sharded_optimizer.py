@@ -737,6 +737,23 @@ def test_step_gathers_bucket_by_bucket_with_no_whole_parameter_temporary(stage, 
         if op_output.shape.is_fully_defined()
     )
     assert largest == 64 * 32  # the first kernel (and its gradient), not 2410
+    # A variable spanning buckets (the first kernel, 64 x 32: elements 0-2047,
+    # buckets 0-8) gets each bucket's part written into its own buffer: its
+    # whole rows by one ResourceScatterUpdate per part, a row the part covers
+    # in part read, updated and written back (32 elements); then it leaves
+    # copy-on-read mode. No copy of it, and no concatenation of its parts.
+    width = layout.num_shards * layout.chunk_size
+    spanning = [i for i, (o, n) in enumerate(zip(layout.offsets, layout.sizes)) if o // width != (o + n - 1) // width]
+    assert spanning[0] == 0
+    assert not [op for op in ops if op.type in ("TensorStridedSliceUpdate", "ConcatV2", "Pad")
+                and op.outputs[0].shape.num_elements() == 64 * 32]
+    assert max(op.outputs[0].shape.num_elements() for op in ops if op.type == "TensorStridedSliceUpdate") == 32
+    # 7 of the 8 bucket boundaries inside it cut a row (244 k is a multiple of 32 for k = 8 only):
+    # 57 whole rows and 7 rows written in two parts, per replica.
+    rows = [op for op in ops if op.type == "ResourceScatterUpdate" and op.inputs[2].shape[1:] == (32,)]
+    assert sum(op.inputs[2].shape[0] for op in rows) == 4 * 57
+    assert len([op for op in ops if op.type == "ResourceScatterUpdate" and op.inputs[2].shape == (32,)]) == 4 * 14
+    assert len([op for op in ops if op.type == "DisableCopyOnRead"]) == 4 * len(spanning)
     reduces = [op for op in ops if op.type == "CollectiveReduceV2"]
     if stage == 2:
         # One all-reduce per bucket (a reduce-scatter on CPU), plus the batch size.
@@ -760,14 +777,17 @@ def test_stage_2_reduces_each_bucket_after_the_previous_one(digits):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_the_update_runs_chunk_by_chunk_on_slots_written_in_place(stage, digits):
     # 2410 parameters, 4 replicas, 1024-byte buckets: 10 chunks of 61 per
-    # replica. Adam's update of each chunk reads its m and v chunks and writes
-    # them back in place (ResourceStridedSliceAssign into the slot's own
-    # buffer), so no update tensor is larger than one chunk (formerly the
-    # 603-element slice: g - m, the new slice, sqrt(v), ...).
+    # replica. The slots hold the slice as rows, one per chunk; Adam's update
+    # of each chunk reads its m and v rows and writes them back in place
+    # (ResourceScatterUpdate of one row into the slot's own buffer), so no
+    # update tensor is larger than one chunk (formerly the 603-element slice:
+    # g - m, the new slice, sqrt(v), ...).
     layout, ops = _step_graph(stage, 1024, digits)
     assert (layout.num_buckets, layout.chunk_size, layout.shard_size) == (10, 61, 610)
-    writes = [op for op in ops if op.type == "ResourceStridedSliceAssign"]
+    assert layout.slot_shape == (10, 61)
+    writes = [op for op in ops if op.type == "ResourceScatterUpdate" and re.search(r"(^|/)adam(_\d+)?/", op.name)]
     assert len(writes) == 4 * 10 * 2  # replicas x chunks x (m, v)
+    assert {tuple(op.inputs[2].shape) for op in writes} == {(61,)}
     # The optimizer's ops (name scope "adam", "adam_1", ...).
     update = [op for op in ops if re.search(r"(^|/)adam(_\d+)?/", op.name)]
     assert not [op for op in update if op.type in ("AssignAddVariableOp", "AssignVariableOp", "ReadVariableOp")
@@ -780,7 +800,8 @@ def test_the_update_runs_chunk_by_chunk_on_slots_written_in_place(stage, digits)
     # Each chunk's update waits for the previous chunk's slot writes.
     gathers = [op for op in update if op.type == "ResourceGather"]
     assert len(gathers) == 4 * 10 * 2
-    waiting = [op for op in gathers if any(a.type == "ResourceStridedSliceAssign" for a in _all_ancestors(op))]
+    assert {tuple(op.outputs[0].shape) for op in gathers} == {(61,)}
+    waiting = [op for op in gathers if any(a.type == "ResourceScatterUpdate" for a in _all_ancestors(op))]
     assert len(waiting) == 4 * 9 * 2
 
 
@@ -833,23 +854,23 @@ def test_a_gradient_larger_than_a_piece_is_reduced_piece_after_piece(digits):
 
 def test_the_layout_cuts_a_large_model_into_small_buckets():
     # 2.17M parameters (8.3 MiB), 2 replicas, the default 25 MiB bucket_bytes:
-    # the layout's buckets are at most shard_bucket_bytes (default 1 MiB),
+    # the layout's buckets are at most shard_bucket_bytes (default 2 MiB),
     # the unit of the update and of the all-gather. shard_bucket_bytes=0
     # leaves bucket_bytes to decide (one bucket here), and bucket_bytes=0
     # keeps one bucket whatever shard_bucket_bytes is.
     from tfdist.strategies.sharded_optimizer import LAYOUT_BUCKET_BYTES
 
     layouts = []
-    for options in ({}, {"shard_bucket_bytes": 2 << 20}, {"shard_bucket_bytes": 0}, {"bucket_bytes": 0}):
+    for options in ({}, {"shard_bucket_bytes": 4 << 20}, {"shard_bucket_bytes": 0}, {"bucket_bytes": 0}):
         with sharded(2, 2, **options).scope():
             model = keras.Sequential([keras.Input((64,))] + [keras.layers.Dense(1024) for _ in range(3)]
                                      + [keras.layers.Dense(10)])
             model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
             model.optimizer.build(model.trainable_variables)
         layouts.append(kc.sharded_state(model.optimizer).layout)
-    assert LAYOUT_BUCKET_BYTES == 2**20
+    assert LAYOUT_BUCKET_BYTES == 2 * 2**20
     assert layouts[0].total == 2_176_010
-    assert [layout.num_buckets for layout in layouts] == [9, 5, 1, 1]
+    assert [layout.num_buckets for layout in layouts] == [5, 3, 1, 1]
     assert layouts[0].num_shards * layouts[0].chunk_size * 4 <= LAYOUT_BUCKET_BYTES
     assert layouts[2].shard_size == 1_088_005
     with pytest.raises(tfdist.options.OptionError, match=re.escape(
@@ -1047,7 +1068,7 @@ def test_custom_train_step_gets_the_sharded_update(stage, data10):
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
     assert max_relative_difference(canonical(reference), canonical(model)) < 1e-5
     # The optimizer holds slots for one flat slice per replica, not per model variable.
-    assert model.optimizer.variables[-1].shape == (kc.sharded_state(model.optimizer).layout.shard_size,)
+    assert model.optimizer.variables[-1].shape == kc.sharded_state(model.optimizer).layout.slot_shape
 
 
 def test_custom_training_loop_over_a_compiled_model_is_sharded(data10):

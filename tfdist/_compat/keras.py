@@ -644,28 +644,52 @@ def _slot_entries_replaced(optimizer, variable, replace):
             values[i] = entry
 
 
-class SlotChunk:
-    """Elements `[lo, hi)` of a 1-D optimizer slot (a `tf.Variable`), read and written in place.
+class _ReadsAsTensor:
+    """Arithmetic on a slot view reads it as a tensor (`self.value`), as on a Keras variable.
 
-    The sharded optimizer updates its slice chunk by chunk (`slots_as_chunks`),
-    so that the update's temporaries are one chunk's size. The chunk is read
-    with `ResourceGather` and written back with `ResourceStridedSliceAssign`
-    into the slot's own buffer: no slot-sized buffer is created. Both put the
-    slot variable in TensorFlow's copy-on-read mode (a plain read then copies
-    it), which costs nothing here: only these chunked updates read the slots
-    during training. Keras (verified on 3.15, TensorFlow backend) writes a slot
-    through `optimizer.assign*`, which calls `assign`, `assign_add` or
-    `assign_sub` on it, and reads it as a tensor.
+    Some Keras optimizers apply Python operators to their slots (Adadelta's
+    `rho * accumulated_grad`, verified on 3.15).
     """
 
-    def __init__(self, variable, lo: int, hi: int, zero):
+    def __neg__(self):
+        return -self.value
+
+    def __pow__(self, other):
+        return self.value ** other
+
+
+for _name in ("add", "sub", "mul", "truediv"):
+    def _op(self, other, _name=_name):
+        return getattr(self.value, f"__{_name}__")(other)
+
+    def _rop(self, other, _name=_name):
+        return getattr(self.value, f"__r{_name}__")(other)
+
+    setattr(_ReadsAsTensor, f"__{_name}__", _op)
+    setattr(_ReadsAsTensor, f"__r{_name}__", _rop)
+
+
+class SlotChunk(_ReadsAsTensor):
+    """Row `row` of a 2-D optimizer slot (a `tf.Variable` of `[chunks, C]`), read and written in place.
+
+    The sharded optimizer holds each replica's slice of a slot as one row per
+    chunk (`FlatLayout.slot_shape`) and updates it chunk by chunk
+    (`slots_as_chunks`), so that the update's temporaries are one chunk's
+    size. The row is read with `ResourceGather` and written back with
+    `ResourceScatterUpdate` into the slot's own buffer: each copies the row as
+    one block (a chunk of a 1-D slot is gathered element by element and
+    written through a strided slice: measured 7x and 5x slower), and no
+    slot-sized buffer is created. Both put the slot variable in TensorFlow's
+    copy-on-read mode (a plain read then copies it), which costs nothing
+    here: only these chunked updates read the slots during training. Keras
+    (verified on 3.15, TensorFlow backend) writes a slot through
+    `optimizer.assign*`, which calls `assign`, `assign_add` or `assign_sub`
+    on it, and reads it as a tensor.
+    """
+
+    def __init__(self, variable, row: int):
         self.variable = variable
-        self.lo, self.hi = lo, hi
-        # A scalar int32 0 computed at run time: indices from constants alone
-        # are folded by grappler into a constant of `hi - lo` elements, kept
-        # for the function's lifetime (measured: one chunk's size per slot,
-        # chunk and replica).
-        self.zero = zero
+        self.row = row
         self._value = None
         # The in-place writes, for the next chunk to wait on.
         self.writes: list = []
@@ -676,14 +700,13 @@ class SlotChunk:
 
     @property
     def shape(self):
-        return tf.TensorShape([self.hi - self.lo])
+        return tf.TensorShape(self.variable.shape[1:])
 
     @property
     def value(self):
         if self._value is None:
             self._value = tf.raw_ops.ResourceGather(
-                resource=self.variable.handle, indices=tf.range(self.lo + self.zero, self.hi + self.zero),
-                dtype=self.variable.dtype,
+                resource=self.variable.handle, indices=tf.constant(self.row, tf.int32), dtype=self.variable.dtype
             )
         return self._value
 
@@ -695,14 +718,15 @@ class SlotChunk:
         if anything still shares its buffer (its initial value), inside the
         step, at its peak.
         """
-        tf.raw_ops.ResourceStridedSliceAssign(
-            ref=variable.handle, begin=[0], end=[0], strides=[1], value=tf.zeros([0], variable.dtype)
+        tf.raw_ops.ResourceScatterUpdate(
+            resource=variable.handle, indices=tf.zeros([0], tf.int32),
+            updates=tf.zeros([0] + variable.shape.as_list()[1:], variable.dtype),
         )
 
     def _write(self, value):
         self._value = tf.convert_to_tensor(value, self.dtype)
-        op = tf.raw_ops.ResourceStridedSliceAssign(
-            ref=self.variable.handle, begin=[self.lo], end=[self.hi], strides=[1], value=self._value
+        op = tf.raw_ops.ResourceScatterUpdate(
+            resource=self.variable.handle, indices=tf.constant(self.row, tf.int32), updates=self._value
         )
         self.writes.append(op)
         return op
@@ -722,25 +746,96 @@ tf.register_tensor_conversion_function(
 )
 
 
+class SlotRows(_ReadsAsTensor):
+    """A 2-D optimizer slot (a `tf.Variable` of `[chunks, C]`) read and written as its flat `[chunks * C]` elements.
+
+    The sharded optimizer's update of a whole slice (sparse gradients, EMA,
+    one bucket, `shard_bucket_bytes=0`) sees each slot this way
+    (`slots_as_flat`). Reads and dense writes reshape, which copies nothing;
+    sparse writes (`scatter_*` with `tf.IndexedSlices` over the flat
+    elements, as Keras's TensorFlow optimizer issues them, verified on 3.15)
+    address element `i` as `[i // C, i % C]`, in place.
+    """
+
+    def __init__(self, variable):
+        self.variable = variable
+        self._rows = variable.shape.as_list()
+
+    @property
+    def dtype(self):
+        return self.variable.dtype
+
+    @property
+    def shape(self):
+        return tf.TensorShape([self._rows[0] * self._rows[1]])
+
+    @property
+    def value(self):
+        return tf.reshape(tf.convert_to_tensor(self.variable), [-1])
+
+    def _rows_of(self, value):
+        return tf.reshape(tf.convert_to_tensor(value, self.dtype), self._rows)
+
+    def assign(self, value, read_value=False):
+        return self.variable.assign(self._rows_of(value), read_value=False)
+
+    def assign_add(self, value, read_value=False):
+        return self.variable.assign_add(self._rows_of(value), read_value=False)
+
+    def assign_sub(self, value, read_value=False):
+        return self.variable.assign_sub(self._rows_of(value), read_value=False)
+
+    def _at(self, update: tf.IndexedSlices):
+        c = tf.cast(self._rows[1], update.indices.dtype)
+        return tf.stack([update.indices // c, update.indices % c], axis=1), tf.cast(update.values, self.dtype)
+
+    def scatter_update(self, update):
+        indices, values = self._at(update)
+        return tf.raw_ops.ResourceScatterNdUpdate(ref=self.variable.handle, indices=indices, updates=values)
+
+    def scatter_add(self, update):
+        indices, values = self._at(update)
+        return tf.raw_ops.ResourceScatterNdAdd(ref=self.variable.handle, indices=indices, updates=values)
+
+    def scatter_sub(self, update):
+        indices, values = self._at(update)
+        return tf.raw_ops.ResourceScatterNdSub(ref=self.variable.handle, indices=indices, updates=values)
+
+
+tf.register_tensor_conversion_function(
+    SlotRows, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.value, dtype)
+)
+
+
+def _slot_of(variable, local, make):
+    def replace(entry):
+        if not isinstance(entry, keras.Variable) or tuple(entry.shape) != tuple(variable.shape):
+            return None
+        return make(local(entry))
+
+    return replace
+
+
 @contextlib.contextmanager
-def slots_as_chunks(optimizer, variable, lo: int, hi: int, local, zero):
-    """Inside: the slots of `variable` (1-D) read and written as their elements `[lo, hi)` (`SlotChunk`).
+def slots_as_chunks(optimizer, variable, row: int, local):
+    """Inside: the 2-D slots of `variable` read and written as their row `row` (`SlotChunk`).
 
     As `slots_as_parts`: every list attribute of the optimizer indexed by
     variable position (Keras's private `_trainable_variables_indices`;
     verified on Keras 3.15 for the optimizers `slots_as_parts` names) has its
     entry for `variable`, when it is a Keras variable of `variable`'s shape
     other than `variable`, replaced by a `SlotChunk` of `local(entry)` (the
-    slot's copy where the update runs), then restored. `zero`: a scalar int32
-    0 computed at run time (see `SlotChunk`). Yields the `SlotChunk`s.
+    slot's copy where the update runs), then restored. Yields the `SlotChunk`s.
     """
-    def chunk(entry):
-        if not isinstance(entry, keras.Variable) or tuple(entry.shape) != tuple(variable.shape):
-            return None
-        return SlotChunk(local(entry), lo, hi, zero)
-
-    with _slot_entries_replaced(optimizer, variable, chunk) as chunks:
+    with _slot_entries_replaced(optimizer, variable, _slot_of(variable, local, lambda v: SlotChunk(v, row))) as chunks:
         yield chunks
+
+
+@contextlib.contextmanager
+def slots_as_flat(optimizer, variable, local):
+    """Inside: the 2-D slots of `variable` read and written as flat vectors (`SlotRows`), as `slots_as_chunks`."""
+    with _slot_entries_replaced(optimizer, variable, _slot_of(variable, local, SlotRows)) as views:
+        yield views
 
 
 def adam_family_slots(optimizer, variable):

@@ -51,6 +51,7 @@ step, replicas numbered across workers; saving all-gathers the state.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Sequence
 
@@ -82,13 +83,11 @@ from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 # are at most this many bytes (and at most `bucket_bytes`). A bucket's chunk
 # is the unit of the optimizer update (`_OwnedSlices.chunked`) and of the
 # all-gather into the weights, so a replica's update temporaries and gathered
-# weights are about this size at a time, not its whole slice. Measured on the
-# benchmark's 3 x 2048 MLP (allocator peak / mirrored's, stage 2): 0.65 at
-# N = 2 and 0.54 at N = 4 with 1 MiB, at a step time of 1.9x and 2.5x
-# mirrored's on the 2-core CPU host, where each collective and op costs;
-# `shard_bucket_bytes=0` (`bucket_bytes` buckets, the whole-slice update):
-# 0.89 and 0.61, at 1.20x and 1.08x (docs/sharded_optimizer.md, Memory).
-LAYOUT_BUCKET_BYTES = 1 << 20
+# weights are about this size at a time, not its whole slice; fewer, larger
+# buckets mean fewer collectives and ops per step. 2 MiB: on the benchmark's
+# 3 x 2048 MLP it keeps stages 1 and 2 at mirrored's step time at N = 2 and
+# 4 on the 2-core CPU host, where 1 MiB took 1.5x at N = 4 (docs/sharded_optimizer.md, Memory).
+LAYOUT_BUCKET_BYTES = 2 << 20
 SHARD_BUCKET_BYTES = options_lib.Option(
     name="shard_bucket_bytes",
     default=LAYOUT_BUCKET_BYTES,
@@ -98,7 +97,7 @@ SHARD_BUCKET_BYTES = options_lib.Option(
         "On one host, stages 1 and 2 update and all-gather the parameters in buckets of at most "
         "this many bytes (and at most bucket_bytes), and sum a gradient larger than it in pieces "
         "of this size: smaller lowers the step's peak memory, larger runs fewer collectives and "
-        "ops. Default 1 MiB; 0 uses bucket_bytes (across workers bucket_bytes always)."
+        "ops. Default 2 MiB; 0 uses bucket_bytes (across workers bucket_bytes always)."
     ),
     check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
 )
@@ -537,7 +536,8 @@ class ShardedState:
         with self.strategy.scope():
             self.flat = keras.Variable(
                 initializer="zeros",
-                shape=(self.layout.shard_size,),
+                # The slice as rows, one per chunk (`FlatLayout.slot_shape`): the slots take this shape.
+                shape=self.layout.slot_shape,
                 dtype="float32",
                 trainable=False,
                 name="tfdist_parameter_shard",
@@ -673,14 +673,14 @@ class ShardedState:
         if not self.across_workers:
             comps = [c for _, c in self._components(variable)]
             with tf.device("/cpu:0"):
-                return self.layout.from_slices(tf.concat([tf.convert_to_tensor(c) for c in comps], axis=0))
+                return self.layout.from_slices(tf.concat([tf.reshape(c, [-1]) for c in comps], axis=0))
         v = kc.tf_variable(variable)
         function = self._gather_functions.get(id(v))
         if function is None:
             strategy = self.strategy
 
             def gather():
-                return collectives.all_gather_shards(tf.convert_to_tensor(v))
+                return collectives.all_gather_shards(tf.reshape(v, [-1]))
 
             # Traced once per variable: eager `strategy.run` would retrace TensorFlow's gather every call.
             function = tf.function(lambda: strategy.experimental_local_results(strategy.run(gather))[0])
@@ -689,7 +689,7 @@ class ShardedState:
 
     def _gather_eager(self, variable) -> np.ndarray:
         if not self.across_workers:
-            slices = np.concatenate([np.asarray(c.numpy()) for _, c in self._components(variable)])
+            slices = np.concatenate([np.asarray(c.numpy()).reshape(-1) for _, c in self._components(variable)])
             return self.layout.from_slices(slices)
         return np.asarray(self._gather_tensor(variable).numpy())
 
@@ -737,7 +737,7 @@ class ShardedState:
         slices = self.layout.to_slices_numpy(flat)
         for r, component in self._components(variable):
             with tf.device(component.device):
-                component.assign(slices[r])
+                component.assign(slices[r].reshape(component.shape))
 
     def _canonical_children(self) -> dict:
         def value_of(slot, index):
@@ -755,11 +755,11 @@ class ShardedState:
                 for r, component in self._components(self.slots[slot]):
                     mine = [p for p in self.layout.pieces(r) if p.variable == index]
                     if mine:
-                        current = np.array(component.numpy())
+                        current = np.array(component.numpy()).reshape(-1)
                         for p in mine:
                             current[p.offset:p.offset + p.stop - p.start] = piece[p.start:p.stop]
                         with tf.device(component.device):
-                            component.assign(current)
+                            component.assign(current.reshape(component.shape))
 
             return tfc.canonical_checkpoint_value(read, write, self.layout.shapes[index])
 
@@ -1021,19 +1021,20 @@ class ShardedState:
         A bucket is a contiguous range of the flat parameters: a variable
         inside it is assigned a copy of its slice of the gathered bucket (no
         whole-model buffer, unpadding copy or split). A variable that spans
-        buckets gets each bucket's part written as it arrives
-        (`TensorStridedSliceUpdate`): the first part into a copy of its
-        current value, each later part into that same buffer (in place: the
-        buffer has no other user), which is assigned once the last part is
-        in. So nothing of a bucket is kept for the next one, one new buffer
-        of the variable's size exists while it is written, and it is copied
-        once per step, not once per bucket (with 1 MiB buckets a 16 MiB kernel
-        spans 17; copying it per part cost stage 2 a fifth of its step).
-        `after` gets each replica's writes and gathered bucket, for the next
-        bucket to wait on, and, under "pending", the variables being written.
+        buckets gets each bucket's part written into its own buffer as it
+        arrives (`write_in_place`: whole rows by `ResourceScatterUpdate`, a
+        block copy each), and leaves TensorFlow's copy-on-read mode
+        (`DisableCopyOnRead`) at its last part, so the forward pass reads it
+        without a copy. No buffer of the variable's size is made. Writing each
+        part into a copy of the variable (`TensorStridedSliceUpdate`, an
+        element-wise strided copy) cost stage 2 at N = 2 a third of its step
+        on the benchmark's model; keeping the parts and assigning their
+        concatenation, a block copy, is faster still but holds two more
+        variable-sized buffers while the largest variable is written, on
+        every replica at once. `after` gets each replica's writes and
+        gathered bucket, for the next bucket to wait on.
         """
         layout, strategy = self.layout, self.strategy
-        pending = after.setdefault("pending", {})
         done: dict = {}
         for p in layout.range_pieces(*layout.bucket_range(k)):
             size = layout.sizes[p.variable]
@@ -1047,22 +1048,20 @@ class ShardedState:
                     # (measured: 2 model-sized buffers over 4 replicas): copy it.
                     whole = tf.raw_ops.DeepCopy(x=piece)
                 else:
-                    base = pending.pop((replica, p.variable), None)
-                    whole = tf.raw_ops.TensorStridedSliceUpdate(
-                        input=tf.reshape(x.read_value(), [size]) if base is None else base,
-                        begin=[p.start], end=[p.stop], strides=[1], value=piece,
-                    )
-                    if p.stop < size:
-                        pending[(replica, p.variable)] = whole
-                        done.setdefault(replica, []).append(whole)
-                        return whole
+                    # In place, straight from the bucket; once the last part is
+                    # in, the variable leaves copy-on-read mode (which the
+                    # in-place writes put it in), so its reads share its buffer again.
+                    ops = write_in_place(x, piece, p.start, p.stop)
+                    if p.stop == size:
+                        ops.append(tf.raw_ops.DisableCopyOnRead(resource=x.handle))
+                    done.setdefault(replica, []).extend(ops)
+                    return ops[-1]
                 op = x.assign(tf.reshape(whole, shape), read_value=False)
                 done.setdefault(replica, []).append(op)
                 return op
 
             strategy.extended.update(kc.tf_variable(self.variables[p.variable]), write, args=(gathered,), group=False)
         after.clear()
-        after["pending"] = pending
         for i, value in enumerate(strategy.experimental_local_results(gathered)):
             replica = int(tfc.replica_id_in_sync_group(strategy, i))
             after[replica] = done.get(replica, []) + [value]
@@ -1207,16 +1206,27 @@ class _OwnedSlices(update.Placement):
     def run(self, variable, fn, *args) -> None:
         state = self.state
 
+        slot_shape = tuple(state.layout.slot_shape)
+
+        def flat_view(v):
+            # A variable of the slots' row shape (an EMA average) as the flat slice.
+            return kc.SlotRows(v) if isinstance(v, tf.Variable) and tuple(v.shape) == slot_shape else v
+
         def on_replica(copy, *values):
-            if not (self.chunked and variable is state.flat):
-                values = [self.stand_in().value if id(v) in self.flat_copies else v for v in values]
-                return fn(self.stand_in() if variable is state.flat else copy, *values)
-            # Chunk by chunk: each chunk's slots are read and written in place
-            # (`kc.slots_as_chunks`), and each chunk's work waits for the
-            # previous chunk's writes, so one chunk's temporaries are alive at a time.
             local = tfc.update_replica_id()
+
+            def local_copy(slot):
+                return state.strategy.experimental_local_results(kc.tf_variable(slot))[local]
+
+            if not (self.chunked and variable is state.flat):
+                # The whole slice: the slots (rows of chunks) read and written as flat vectors.
+                values = [self.stand_in().value if id(v) in self.flat_copies else flat_view(v) for v in values]
+                with kc.slots_as_flat(state.optimizer, state.flat, local_copy):
+                    return fn(self.stand_in() if variable is state.flat else flat_view(copy), *values)
+            # Chunk by chunk: each chunk's slots are read and written in place,
+            # one row each (`kc.slots_as_chunks`), and each chunk's work waits for
+            # the previous chunk's writes, so one chunk's temporaries are alive at a time.
             c = state.layout.chunk_size
-            zero = tf.minimum(tf.cast(kc.tf_variable(kc.iterations_variable(state.optimizer)), tf.int32), 0)
             previous: list = []
             for k in range(state.layout.num_buckets):
                 self.chunk = (k * c, (k + 1) * c)
@@ -1228,15 +1238,60 @@ class _OwnedSlices(update.Placement):
                         else v
                         for v in values
                     ]
-                    with kc.slots_as_chunks(
-                        state.optimizer, state.flat, k * c, (k + 1) * c,
-                        lambda slot: state.strategy.experimental_local_results(kc.tf_variable(slot))[local], zero,
-                    ) as slots:
+                    with kc.slots_as_chunks(state.optimizer, state.flat, k, local_copy) as slots:
                         fn(stand_in, *chunk_values)
                 previous = [op for slot in slots for op in slot.writes] + [stand_in.value]
             self.chunk = None
 
         state.strategy.extended.update(kc.tf_variable(variable), on_replica, args=args, group=False)
+
+
+def write_in_place(variable, value, start: int, stop: int) -> list:
+    """Writes `value` (1-D) into the flattened elements `[start, stop)` of `variable`, in place; returns the writes.
+
+    For a variable of rank 2 or more, the whole rows (along its first axis)
+    inside the range are written with one `ResourceScatterUpdate` (a block
+    copy per row), and a row the range covers in part is read
+    (`ResourceGather`), updated and written back. A 1-D variable is written
+    with `ResourceStridedSliceAssign`. No buffer of the variable's size is
+    made (unless something still holds its current value, which TensorFlow
+    then copies once). These writes put the variable in TensorFlow's
+    copy-on-read mode (`EnsureSparseVariableAccess`): the caller ends it
+    with `DisableCopyOnRead` once the variable is whole. Writes to the same
+    variable run in program order (automatic control dependencies).
+    """
+    shape = variable.shape.as_list()
+    handle, dtype = variable.handle, variable.dtype
+    if len(shape) < 2:
+        return [tf.raw_ops.ResourceStridedSliceAssign(
+            ref=handle, begin=[start], end=[stop], strides=[1], value=value,
+        )]
+    row = math.prod(shape[1:])
+
+    def part_of_row(r: int, lo: int, hi: int, values):
+        current = tf.reshape(tf.raw_ops.ResourceGather(resource=handle, indices=tf.constant(r), dtype=dtype), [row])
+        updated = tf.raw_ops.TensorStridedSliceUpdate(input=current, begin=[lo], end=[hi], strides=[1], value=values)
+        return tf.raw_ops.ResourceScatterUpdate(
+            resource=handle, indices=tf.constant(r), updates=tf.reshape(updated, shape[1:]),
+        )
+
+    first, last = -(-start // row), stop // row  # whole rows [first, last)
+    if first >= last:
+        r = start // row
+        if stop <= (r + 1) * row:
+            return [part_of_row(r, start - r * row, stop - r * row, value)]
+    ops = []
+    head = first * row - start
+    if head:
+        ops.append(part_of_row(first - 1, row - head, row, value[:head]))
+    if first < last:
+        rows = value[head:head + (last - first) * row]
+        ops.append(tf.raw_ops.ResourceScatterUpdate(
+            resource=handle, indices=tf.range(first, last), updates=tf.reshape(rows, [last - first] + shape[1:]),
+        ))
+    if last * row < stop:
+        ops.append(part_of_row(last, 0, stop - last * row, value[head + (last - first) * row:]))
+    return ops
 
 
 def _is_slice_sized(value, size: int) -> bool:
