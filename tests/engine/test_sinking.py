@@ -218,8 +218,8 @@ def test_three_batch_sizes_in_one_call_with_sparse_gradients_get_a_clear_error()
 
 # --- Chunked sinking (issue 16): a host call's batches fetched together -------------------------
 
-from tfdist.data import sinking  # noqa: E402
 from tests.conftest import DEVICES  # noqa: E402
+from tfdist.data import sinking  # noqa: E402
 
 
 @pytest.mark.parametrize("replicas", [2, 3, 4])

@@ -149,7 +149,7 @@ class SunkInput:
             )
         self.chunks = chunk_dataset(dataset, chunk)
 
-    def __iter__(self) -> "SunkIterator":
+    def __iter__(self) -> SunkIterator:
         return SunkIterator(iter(self.chunks), self.spec, self.steps_per_call, self.chunk)
 
 
@@ -163,7 +163,7 @@ class SunkIterator:
         self.steps_per_call = steps_per_call
         self.one_chunk_per_call = chunk >= steps_per_call
 
-    def __iter__(self) -> "SunkIterator":
+    def __iter__(self) -> SunkIterator:
         return self
 
     def __next__(self):
