@@ -1138,3 +1138,45 @@ def test_one_replica_has_nothing_to_shard_and_trains_as_mirrored(stage, digits):
     with tfdist.get_strategy("sharded_optimizer", devices=DEVICES[2], stage=stage).scope():
         two = build_model(optimizer=keras.optimizers.Adam(0.01))
     assert kc.sharded_state(two.optimizer) is not None
+
+
+@pytest.mark.parametrize("shape", [(37,), (6, 7), (3, 4, 5), (1, 40)])
+@pytest.mark.parametrize("cut", [(0, 40), (5, 9), (7, 21), (12, 30), (14, 28), (0, 7)])
+def test_write_in_place_writes_exactly_its_range_without_reading_the_variable_whole(shape, cut):
+    # A spanning variable's part of a gathered bucket is written into the
+    # variable's own buffer: whole rows by one scatter, a row covered in part
+    # read, updated and written back (rank >= 2), a strided assignment (1-D).
+    # Every element outside [start, stop) keeps its value, whatever the
+    # variable's rank and wherever the range starts and ends.
+    from tfdist.strategies.sharded_optimizer import write_in_place
+
+    size = int(np.prod(shape))
+    start, stop = cut[0], min(cut[1], size)
+    before = np.arange(size, dtype=np.float32).reshape(shape)
+    variable = tf.Variable(before)
+    value = -1.0 - np.arange(stop - start, dtype=np.float32)
+
+    @tf.function
+    def write():
+        ops = write_in_place(variable, tf.constant(value), start, stop)
+        with tf.control_dependencies(ops):
+            tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
+
+    write()
+    expected = before.reshape(-1).copy()
+    expected[start:stop] = value
+    np.testing.assert_array_equal(variable.numpy().reshape(-1), expected)
+    graph = write.get_concrete_function().graph
+    types = [op.type for op in graph.get_operations()]
+    row = int(np.prod(shape[1:])) if len(shape) > 1 else None
+    whole_rows = row is not None and -(-start // row) < stop // row
+    assert ("ResourceScatterUpdate" in types) == (row is not None)
+    # Whole rows go in one scatter of several rows, never through a copy of the variable.
+    if whole_rows:
+        assert any(op.type == "ResourceScatterUpdate" and op.inputs[1].shape.rank == 1
+                   for op in graph.get_operations())
+    # The variable is never read whole (a partial row is gathered alone), so no copy of it is made.
+    assert "ReadVariableOp" not in types
+    if row is not None:
+        assert {op.inputs[0].shape.num_elements() for op in graph.get_operations()
+                if op.type == "TensorStridedSliceUpdate"} <= {row}
