@@ -645,25 +645,25 @@ def _slot_entries_replaced(optimizer, variable, replace):
 
 
 class _ReadsAsTensor:
-    """Arithmetic on a slot view reads it as a tensor (`self.value`), as on a Keras variable.
+    """Arithmetic on a slot view reads it as a tensor (`self.read()`), as on a Keras variable.
 
     Some Keras optimizers apply Python operators to their slots (Adadelta's
     `rho * accumulated_grad`, verified on 3.15).
     """
 
     def __neg__(self):
-        return -self.value
+        return -self.read()
 
     def __pow__(self, other):
-        return self.value ** other
+        return self.read() ** other
 
 
 for _name in ("add", "sub", "mul", "truediv"):
     def _op(self, other, _name=_name):
-        return getattr(self.value, f"__{_name}__")(other)
+        return getattr(self.read(), f"__{_name}__")(other)
 
     def _rop(self, other, _name=_name):
-        return getattr(self.value, f"__r{_name}__")(other)
+        return getattr(self.read(), f"__r{_name}__")(other)
 
     setattr(_ReadsAsTensor, f"__{_name}__", _op)
     setattr(_ReadsAsTensor, f"__r{_name}__", _rop)
@@ -704,6 +704,11 @@ class SlotChunk(_ReadsAsTensor):
 
     @property
     def value(self):
+        # Read where it is used, as a Keras variable's `value` (see `SlotRows.value`).
+        return self
+
+    def read(self):
+        """The row's current value: as last written here, else gathered once."""
         if self._value is None:
             self._value = tf.raw_ops.ResourceGather(
                 resource=self.variable.handle, indices=tf.constant(self.row, tf.int32), dtype=self.variable.dtype
@@ -735,14 +740,14 @@ class SlotChunk(_ReadsAsTensor):
         return self._write(value)
 
     def assign_add(self, value, read_value=False):
-        return self._write(self.value + tf.convert_to_tensor(value, self.dtype))
+        return self._write(self.read() + tf.convert_to_tensor(value, self.dtype))
 
     def assign_sub(self, value, read_value=False):
-        return self._write(self.value - tf.convert_to_tensor(value, self.dtype))
+        return self._write(self.read() - tf.convert_to_tensor(value, self.dtype))
 
 
 tf.register_tensor_conversion_function(
-    SlotChunk, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.value, dtype)
+    SlotChunk, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.read(), dtype)
 )
 
 
@@ -771,6 +776,13 @@ class SlotRows(_ReadsAsTensor):
 
     @property
     def value(self):
+        # As a Keras variable's `value` on the TensorFlow backend (the
+        # tf.Variable itself): read where it is used, not here (Keras's
+        # ScheduleFreeAdamW takes `momentum.value` before updating the
+        # momentum and uses it after; one device then reads the new value).
+        return self
+
+    def read(self):
         return tf.reshape(tf.convert_to_tensor(self.variable), [-1])
 
     def _rows_of(self, value):
@@ -803,7 +815,7 @@ class SlotRows(_ReadsAsTensor):
 
 
 tf.register_tensor_conversion_function(
-    SlotRows, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.value, dtype)
+    SlotRows, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.read(), dtype)
 )
 
 
