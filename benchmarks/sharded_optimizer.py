@@ -42,7 +42,7 @@ same batches repeated) are run, one warm-up then `--timed-epochs`, and each
 step is timed from the start to the end of its batch (a Keras callback; the
 median), in the RSS run (on GPU, the device run) and in `--timing-runs` - 1
 more processes per configuration, run in turn (default 3 in all: one
-process's median moves by 10-15% from the next on this shared host); the
+process's median moves by 10-20% from the next on this shared host); the
 step time is the median of the processes' medians: `fit`'s own set-up per
 call, 3-4 s here and varying by whole 100 ms steps from call to call, is not
 a step's cost. The ratio to mirrored Adam's is printed. "stage 2 sbb=0" is
@@ -137,7 +137,6 @@ def run_one(
     report = tfdist.memory_report(model)
     step_seconds = None
     if measure != "allocator":
-        import statistics
         import time
 
         # More steps than the measured epoch, so fit's per-call cost is a small share.
@@ -195,14 +194,19 @@ def formulas(params: int, n: int) -> dict:
     }
 
 
+def _shard_bucket_bytes_args(label: str, name: str, args) -> list:
+    """The child's `--shard-bucket-bytes`: the row's own (sbb=0), else the command line's for the sharded rows."""
+    value = SHARD_BUCKET_BYTES.get(label)
+    if value is None and name == "sharded_optimizer":
+        value = args.shard_bucket_bytes
+    return [] if value is None else ["--shard-bucket-bytes", str(value)]
+
+
 def run_child(config: tuple, replicas: int, args, measure: str) -> dict:
     label, name, stage, optimizer = config
     cmd = [
         sys.executable, __file__, "--child", name, str(stage or 0), optimizer, measure,
-        *(["--shard-bucket-bytes", str(SHARD_BUCKET_BYTES[label])] if label in SHARD_BUCKET_BYTES
-          else ["--shard-bucket-bytes", str(args.shard_bucket_bytes)]
-          if args.shard_bucket_bytes is not None and name == "sharded_optimizer"
-          else []),
+        *_shard_bucket_bytes_args(label, name, args),
         "--replicas", str(replicas), "--batch", str(args.batch), "--steps", str(args.steps),
         "--width", str(args.width), "--depth", str(args.depth), "--timed-epochs", str(args.timed_epochs),
         "--timed-steps", str(args.timed_steps),
@@ -262,7 +266,7 @@ def main() -> None:
     for n in args.replicas:
         measured = {m: {c[0]: run_child(c, n, args, m) for c in CONFIGS} for m in measures}
         first = measured[measures[0]]
-        # Step time moves by 10-15% from one process to the next on a shared host (each
+        # Step time moves by 10-20% from one process to the next on a shared host (each
         # configuration's median, mirrored's too): more processes per configuration, in turn.
         timings = {label: [run["step_seconds"]] for label, run in first.items()}
         for _ in range(args.timing_runs - 1):

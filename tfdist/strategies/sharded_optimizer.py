@@ -1048,12 +1048,8 @@ class ShardedState:
                     # (measured: 2 model-sized buffers over 4 replicas): copy it.
                     whole = tf.raw_ops.DeepCopy(x=piece)
                 else:
-                    # In place, straight from the bucket; once the last part is
-                    # in, the variable leaves copy-on-read mode (which the
-                    # in-place writes put it in), so its reads share its buffer again.
-                    ops = write_in_place(x, piece, p.start, p.stop)
-                    if p.stop == size:
-                        ops.append(tf.raw_ops.DisableCopyOnRead(resource=x.handle))
+                    # In place, straight from the bucket; the last part ends copy-on-read mode.
+                    ops = write_in_place(x, piece, p.start, p.stop, last=p.stop == size)
                     done.setdefault(replica, []).extend(ops)
                     return ops[-1]
                 op = x.assign(tf.reshape(whole, shape), read_value=False)
@@ -1246,7 +1242,7 @@ class _OwnedSlices(update.Placement):
         state.strategy.extended.update(kc.tf_variable(variable), on_replica, args=args, group=False)
 
 
-def write_in_place(variable, value, start: int, stop: int) -> list:
+def write_in_place(variable, value, start: int, stop: int, last: bool = True) -> list:
     """Writes `value` (1-D) into the flattened elements `[start, stop)` of `variable`, in place; returns the writes.
 
     For a variable of rank 2 or more, the whole rows (along its first axis)
@@ -1256,10 +1252,19 @@ def write_in_place(variable, value, start: int, stop: int) -> list:
     with `ResourceStridedSliceAssign`. No buffer of the variable's size is
     made (unless something still holds its current value, which TensorFlow
     then copies once). These writes put the variable in TensorFlow's
-    copy-on-read mode (`EnsureSparseVariableAccess`): the caller ends it
-    with `DisableCopyOnRead` once the variable is whole. Writes to the same
-    variable run in program order (automatic control dependencies).
+    copy-on-read mode (`EnsureSparseVariableAccess`), in which every read
+    copies it; with `last` (the variable's last part is in) the returned
+    writes end with `DisableCopyOnRead`, so its reads share its buffer again.
+    Writes to the same variable run in program order (automatic control
+    dependencies).
     """
+    ops = _writes_in_place(variable, value, start, stop)
+    if last:
+        ops.append(tf.raw_ops.DisableCopyOnRead(resource=variable.handle))
+    return ops
+
+
+def _writes_in_place(variable, value, start: int, stop: int) -> list:
     shape = variable.shape.as_list()
     handle, dtype = variable.handle, variable.dtype
     if len(shape) < 2:
@@ -1275,11 +1280,10 @@ def write_in_place(variable, value, start: int, stop: int) -> list:
             resource=handle, indices=tf.constant(r), updates=tf.reshape(updated, shape[1:]),
         )
 
+    r = start // row
+    if stop - start < row and stop <= (r + 1) * row:  # inside one row, not the whole of it
+        return [part_of_row(r, start - r * row, stop - r * row, value)]
     first, last = -(-start // row), stop // row  # whole rows [first, last)
-    if first >= last:
-        r = start // row
-        if stop <= (r + 1) * row:
-            return [part_of_row(r, start - r * row, stop - r * row, value)]
     ops = []
     head = first * row - start
     if head:
