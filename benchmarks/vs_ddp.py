@@ -1,7 +1,7 @@
 """tfdist multi_worker against PyTorch DDP: the same jobs at 1 and 2 workers, beside the host's ceiling.
 
     python benchmarks/vs_ddp.py [--quick] [--epochs 4] [--steps 20] [--per-worker-batch 128]
-                                [--models M ...] [--bucket-mib MIB ...]
+                                [--models M ...] [--bucket-mib MIB ...] [--devices-per-worker K]
 
 Weak scaling, as multi-worker jobs run: every worker keeps its batch
 (`--per-worker-batch`, default 128), SGD, synthetic data, on three models:
@@ -23,7 +23,11 @@ the MLPs 64-512-512-10 and 64-2048-2048-2048-10 and a small convnet
 
 `--bucket-mib 1 4 16 64` adds tfdist multi_worker rows with those bucket sizes
 (the step option `bucket_bytes`, default 25 MiB), to tune it for gRPC ring
-collectives.
+collectives. `--devices-per-worker 2` adds rows where every worker trains 2
+logical CPU devices on its one core (`tfdist launch --devices-per-worker 2`;
+"1 worker" is then one worker of 2 devices): the hierarchical exchange (each
+bucket summed in the worker, then across workers; the default) against one
+ring through all 4 devices (`hierarchical=False`).
 
 Throughput is samples/s of the whole job, and
 
@@ -107,6 +111,8 @@ def tf_worker(args) -> None:
     from tfdist.timing import EpochTimer
 
     kwargs = {"stage": args.stage} if args.strategy == "sharded_optimizer" else {}
+    if args.flat:
+        kwargs["hierarchical"] = False
     strategy = tfdist.get_strategy(args.strategy, **kwargs)
     # A one-worker sharded_optimizer job is the local strategy, which has no num_workers.
     global_batch = args.per_worker_batch * workers
@@ -122,7 +128,8 @@ def tf_worker(args) -> None:
             json.dump({"samples_per_s": args.steps * global_batch * len(steady) / sum(steady)}, f)
 
 
-def run_tfdist(strategy: str, model: str, workers: int, args, stage: int = 1, env: dict | None = None) -> float:
+def run_tfdist(strategy: str, model: str, workers: int, args, stage: int = 1, env: dict | None = None,
+               flat: bool = False) -> float:
     from tfdist.launch import run_job
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,7 +137,7 @@ def run_tfdist(strategy: str, model: str, workers: int, args, stage: int = 1, en
         command = [sys.executable, os.path.abspath(__file__), "--tf-worker", "--out", out,
                    "--strategy", strategy, "--stage", str(stage), "--model", model,
                    "--epochs", str(args.epochs), "--steps", str(args.steps),
-                   "--per-worker-batch", str(args.per_worker_batch)]
+                   "--per-worker-batch", str(args.per_worker_batch)] + (["--flat"] if flat else [])
         status = run_job(command, workers=workers, env={**THREAD_ENV, **(env or {})}, timeout=args.timeout)
         if status != 0 or not os.path.exists(out):
             print(f"  {strategy} {model} {workers} worker(s): job failed with status {status}", flush=True)
@@ -299,9 +306,12 @@ def main() -> None:
     p.add_argument("--no-compressed", action="store_true", help="leave out the allreduce_dtype='bfloat16' row")
     p.add_argument("--bucket-mib", type=float, nargs="+", default=[], metavar="MIB",
                    help="extra tfdist multi_worker rows with bucket_bytes of these sizes (e.g. 1 4 16 64)")
+    p.add_argument("--devices-per-worker", type=int, default=0, metavar="K",
+                   help="extra rows: every worker trains K logical CPU devices on its one core, with the "
+                        "hierarchical exchange (default) and with one ring through every device (K >= 2)")
     p.add_argument("--ceiling-seconds", type=float, default=6.0, help="seconds per ceiling run (default 6)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per job (default 600)")
-    for hidden in ("--tf-worker", "--ddp-worker", "--matmul-worker"):
+    for hidden in ("--tf-worker", "--ddp-worker", "--matmul-worker", "--flat"):
         p.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
     for hidden, kind in (("--out", str), ("--strategy", str), ("--model", str), ("--core", int),
                          ("--seconds", float), ("--stage", int)):
@@ -342,6 +352,23 @@ def main() -> None:
         sized = {"TFDIST_BUCKET_BYTES": str(int(mib * 2**20))}
         frameworks.append((f"tfdist multi_worker, {mib:g} MiB buckets",
                            lambda m, w, env=sized: None if w == 1 else run_tfdist("multi_worker", m, w, args, env=env)))
+    if args.devices_per_worker >= 2:
+        from tfdist.launch import devices_per_worker_environment
+
+        k = args.devices_per_worker
+        split = devices_per_worker_environment(k, environ={})
+        one_worker: dict = {}  # model -> 1 worker of K devices: no cross-worker exchange, the same both ways
+
+        def hierarchical(m, w):
+            rate = run_tfdist("multi_worker", m, w, args, env=split)
+            if w == 1:
+                one_worker[m] = rate
+            return rate
+
+        frameworks.append((f"tfdist multi_worker {k} dev/worker, hierarchical", hierarchical))
+        frameworks.append((f"tfdist multi_worker {k} dev/worker, one ring",
+                           lambda m, w: one_worker[m] if w == 1 else run_tfdist("multi_worker", m, w, args,
+                                                                                 env=split, flat=True)))
     if not args.no_sharded:
         for stage in (1, 2):
             frameworks.append((f"tfdist sharded_optimizer stage {stage}",

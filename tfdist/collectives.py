@@ -36,16 +36,25 @@ def traced_collective_count() -> int:
     return sum(v for k, v in trace_counter.items() if not k.endswith("_bytes"))
 
 
-def collective_ops_in(graph) -> collections.Counter:
+def collective_ops_in(graph, by_device: bool = False) -> collections.Counter:
     """How many collective ops of each type a traced graph holds, its conditional and loop bodies included.
 
     `graph`: a `tf.Graph`, e.g. one of a host function's `traced_graphs`
     (`tfdist.engine.loop.make_host_function`). Counts op types starting with
-    "Collective" (`CollectiveReduceV2`, `CollectiveGatherV2`, ...).
+    "Collective" (`CollectiveReduceV2`, `CollectiveGatherV2`, ...); with
+    `by_device`, per op type and device (`"CollectiveReduceV2 CPU:1"`: the
+    device's type and index, the job and task left out).
     """
     graph_def = graph.as_graph_def()
     nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
-    return collections.Counter(n.op for n in nodes if n.op.startswith("Collective"))
+
+    def key(node):
+        if not by_device:
+            return node.op
+        device = tf.DeviceSpec.from_string(node.device or "")
+        return f"{node.op} {device.device_type}:{device.device_index}"
+
+    return collections.Counter(key(n) for n in nodes if n.op.startswith("Collective"))
 
 
 _ONE_COLLECTIVE_PER_BUFFER = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=1)
@@ -253,6 +262,16 @@ def all_reduce_sum(values: Sequence, bucket_bytes: int, allreduce_dtype: str = "
     # the last layers overlaps the rest of backprop
     # (tests/engine/test_bucketing.py, test_each_buckets_collective_waits_only_for_its_own_and_earlier_sent_gradients).
     n = len(plan.buckets)
+    hierarchy = getattr(ctx.strategy, "hierarchical_exchange", None)
+    if hierarchy is not None and n:
+        # Several CPU replicas per worker (multi_worker, `hierarchical`): each
+        # bucket summed within the worker, then across workers, in send order.
+        dense = hierarchy(ctx, packed[:n])
+        sparse = (
+            ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed[n:], options=_ONE_COLLECTIVE_PER_BUFFER)
+            if packed[n:] else []
+        )
+        return plan.unpack(restore(list(dense)) + list(sparse))
     reduced = ctx.all_reduce(
         tf.distribute.ReduceOp.SUM, packed[:n][::-1] + packed[n:], options=_ONE_COLLECTIVE_PER_BUFFER
     )

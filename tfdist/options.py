@@ -234,6 +234,17 @@ COMMUNICATION = Option(
     ),
     check=lambda v: v in COMMUNICATION_IMPLEMENTATIONS,
 )
+HIERARCHICAL = Option(
+    name="hierarchical",
+    default=True,
+    types=(bool,),
+    expected="True or False",
+    doc=(
+        "With several replicas on each of several CPU workers, sum each gradient bucket within the "
+        "worker first, all-reduce it across workers from one device per worker, then copy the sum to "
+        "the worker's other replicas (False: one ring through every device of every worker)."
+    ),
+)
 # Timeouts of multi-process jobs (docs/operations.md, "Timeouts").
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0

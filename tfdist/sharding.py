@@ -36,6 +36,18 @@ class Piece:
     offset: int
 
 
+# A chunk of at least ALIGN_FROM elements is a multiple of ALIGN elements (64 bytes of float32):
+# TensorFlow slices a tensor along its first axis without copying when both ends of the slice
+# fall on 64-byte boundaries (`StridedSlice`, `IsDim0SliceAligned`), so a replica's chunk of its
+# gradient slice, and its pieces of the weights, are views, not copies, in the update.
+ALIGN = 16
+ALIGN_FROM = 4096
+
+
+def _aligned(elements: int) -> int:
+    return -(-elements // ALIGN) * ALIGN if elements >= ALIGN_FROM else elements
+
+
 @dataclasses.dataclass(frozen=True)
 class FlatLayout:
     """How `len(shapes)` variables map onto `num_shards` even slices, bucket by bucket.
@@ -75,6 +87,8 @@ class FlatLayout:
         buckets = 1
         if bucket_bytes > 0:
             largest_chunk = max(1, bucket_bytes // (4 * num_shards))
+            if largest_chunk >= ALIGN_FROM:
+                largest_chunk -= largest_chunk % ALIGN  # an aligned chunk still fits the bucket
             buckets = -(-per_replica // largest_chunk)
         return cls(shapes, num_shards, buckets)
 
@@ -93,8 +107,13 @@ class FlatLayout:
 
     @property
     def chunk_size(self) -> int:
-        """C: elements of one replica's chunk of a bucket, `ceil(P / (N * buckets))` (at least 1)."""
-        return max(1, -(-self.total // (self.num_shards * self.num_buckets)))
+        """C: elements of one replica's chunk of a bucket, `ceil(P / (N * buckets))` (at least 1).
+
+        From 4096 elements up, rounded up to a multiple of 16 (64 bytes), so
+        that slicing a chunk out of a slice, or a variable's piece out of a
+        gathered bucket, shares the buffer instead of copying (`ALIGN`).
+        """
+        return _aligned(max(1, -(-self.total // (self.num_shards * self.num_buckets))))
 
     @property
     def shard_size(self) -> int:

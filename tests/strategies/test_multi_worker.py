@@ -259,6 +259,7 @@ def test_tf_config_required_when_asked_for(monkeypatch):
          "GPUs, else its logical CPU devices). Received: devices_per_worker=0"),
         ({"auto_shard": "rows"},
          "option 'auto_shard' must be one of 'auto', 'file', 'data', 'off'. Received: auto_shard='rows'"),
+        ({"hierarchical": "yes"}, "option 'hierarchical' must be True or False. Received: hierarchical='yes' (type str)"),
         ({"cluster": "kubernetes"},
          "option 'cluster' must be 'tf_config' (read the TF_CONFIG environment variable), 'slurm' (this "
          "Slurm job step), a TF_CONFIG dict, or a tfdist.cluster.ClusterConfig. Received: cluster='kubernetes'"),
@@ -299,6 +300,7 @@ def test_one_cpu_worker_trains_on_its_logical_devices_like_mirrored(digits):
     reference, _ = mirrored_reference(x, y, epochs=1)
     strategy = tfdist.get_strategy("multi_worker", devices_per_worker=2)
     assert strategy.num_replicas_in_sync == 2
+    assert strategy.hierarchical_exchange is None  # one worker: nothing crosses processes
     assert [d.rsplit(":", 1)[-1] for d in strategy.extended.worker_devices] == ["0", "1"]
     with strategy.scope():
         model = build_model()
@@ -328,9 +330,13 @@ import numpy as np
 import tfdist  # TFDIST_LOCAL_DEVICES (tfdist launch --devices-per-worker): the CPU split first
 import keras
 
-# argv: out directory, strategy name, sharded optimizer stage (0: none)
-stage = int(sys.argv[3])
-strategy = tfdist.get_strategy(sys.argv[2], collective_timeout=120.0, **({"stage": stage} if stage else {}))
+from tfdist.collectives import collective_ops_in
+
+# argv: out directory, strategy name, sharded optimizer stage (0: none), hierarchical (multi_worker: 1 or 0),
+# sink_size
+stage, hierarchical = int(sys.argv[3]), sys.argv[4] == "1"
+options = {"stage": stage} if stage else {"hierarchical": hierarchical}
+strategy = tfdist.get_strategy(sys.argv[2], collective_timeout=120.0, sink_size=int(sys.argv[5]), **options)
 x, y = tfdist.datasets.load_digits()
 with strategy.scope():
     keras.utils.set_random_seed(0)
@@ -342,24 +348,32 @@ task = strategy.cluster_config.task_id
 np.savez(os.path.join(sys.argv[1], f"worker{task}.npz"), *model.get_weights())
 with open(os.path.join(sys.argv[1], f"worker{task}.json"), "w") as f:
     json.dump({"replicas": strategy.num_replicas_in_sync, "local": len(strategy.extended.worker_devices),
-               "iterations": int(model.optimizer.iterations.numpy())}, f)
+               "iterations": int(model.optimizer.iterations.numpy()),
+               "collectives": collective_ops_in(model.train_function.traced_graphs[-1], by_device=True)}, f)
 """
 
 
 @pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_leftover_processes")
-@pytest.mark.parametrize("name,stage", [("multi_worker", 0), ("sharded_optimizer", 2)])
-def test_two_workers_with_two_devices_each_train_like_four_local_replicas(name, stage, tmp_path, digits):
-    # The sharded optimizer's stage 2 too: replica r of 4 (worker-major) owns
-    # slice r, reduce-scattered and all-gathered across both workers' devices.
+@pytest.mark.parametrize("name,stage,hierarchical,sink", [
+    ("multi_worker", 0, True, 1), ("multi_worker", 0, True, 4), ("multi_worker", 0, False, 1),
+    ("sharded_optimizer", 2, False, 1),
+])
+def test_two_workers_with_two_devices_each_train_like_four_local_replicas(name, stage, hierarchical, sink,
+                                                                          tmp_path, digits):
+    # multi_worker sums each bucket within a worker first, then across the two
+    # workers from CPU:0 (hierarchical, the default), or in one ring through
+    # all 4 devices. The sharded optimizer's stage 2 too: replica r of 4
+    # (worker-major) owns slice r, reduce-scattered and all-gathered across
+    # both workers' devices.
     from tfdist.launch import devices_per_worker_environment
 
     script = tmp_path / "job.py"
     script.write_text(_DEVICES_JOB)
     env = {**ENV, "TMPDIR": str(tmp_path), **devices_per_worker_environment(2, environ={})}
-    status = run_job([sys.executable, str(script), str(tmp_path), name, str(stage)], workers=2, env=env,
-                     timeout=JOB_TIMEOUT_S)
+    status = run_job([sys.executable, str(script), str(tmp_path), name, str(stage), str(int(hierarchical)),
+                      str(sink)], workers=2, env=env, timeout=JOB_TIMEOUT_S)
     assert status == 0
     x, y = digits
     strategy = tfdist.get_strategy("mirrored", devices=DEVICES[4])
@@ -368,7 +382,21 @@ def test_two_workers_with_two_devices_each_train_like_four_local_replicas(name, 
     reference.fit(x[:640], y[:640], batch_size=32, shuffle=False, verbose=0)
     for task in (0, 1):
         with open(tmp_path / f"worker{task}.json") as f:
-            assert json.load(f) == {"replicas": 4, "local": 2, "iterations": 20}
+            result = json.load(f)
+        collectives = result.pop("collectives")
+        assert result == {"replicas": 4, "local": 2, "iterations": 20}
+        # The step's gradients (and at sink 1 the metrics riding with them)
+        # fit one bucket. Hierarchical: its cross-worker all-reduce runs on
+        # CPU:0 alone, beside TensorFlow's own all-reduce there (does every
+        # worker still have a batch: once per step, and once before the loop
+        # of a host call of several steps), and at sink 4 the metrics' one
+        # all-reduce per host call. One ring: every device joins the bucket's.
+        if name == "multi_worker":
+            assert collectives == {
+                (True, 1): {"CollectiveReduceV2 CPU:0": 2},
+                (True, 4): {"CollectiveReduceV2 CPU:0": 4},
+                (False, 1): {"CollectiveReduceV2 CPU:0": 2, "CollectiveReduceV2 CPU:1": 1},
+            }[(hierarchical, sink)]
         saved = np.load(tmp_path / f"worker{task}.npz")
         weights = [saved[f"arr_{i}"] for i in range(len(saved.files))]
         assert max_relative_difference(reference.get_weights(), weights) < 1e-5

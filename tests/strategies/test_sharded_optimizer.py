@@ -881,7 +881,10 @@ def test_the_layout_cuts_a_large_model_into_small_buckets():
     assert layouts[0].total == 2_176_010
     assert [layout.num_buckets for layout in layouts] == [5, 3, 1, 1]
     assert layouts[0].num_shards * layouts[0].chunk_size * 4 <= LAYOUT_BUCKET_BYTES
-    assert layouts[2].shard_size == 1_088_005
+    # Chunks from 4096 elements up are whole multiples of 64 bytes (sliced without a copy):
+    # 1,088,005 per replica rounded up.
+    assert [layout.chunk_size for layout in layouts] == [217_616, 362_672, 1_088_016, 1_088_016]
+    assert layouts[2].shard_size == 1_088_016
     with pytest.raises(tfdist.options.OptionError, match=re.escape(
         "option 'shard_bucket_bytes' must be an integer >= 0 (bytes per bucket of the sharded update; 0: the "
         "step's bucket_bytes). Received: shard_bucket_bytes=-1"
@@ -981,6 +984,10 @@ def test_tf_config_with_several_workers_selects_the_multi_worker_variant_and_val
     monkeypatch.delenv("TF_CONFIG")
     assert _runs_across_workers({}) is False
     assert _runs_across_workers({"cluster_resolver": object()}) is True
+    # `hierarchical` only says how a job of several workers sums: on one host it is moot.
+    assert _runs_across_workers({"hierarchical": False}) is False
+    one_host = tfdist.get_strategy("sharded_optimizer", stage=1, hierarchical=False, devices=DEVICES[2])
+    assert type(one_host).__name__ == "ShardedOptimizerStrategy"
 
 
 @pytest.mark.cluster

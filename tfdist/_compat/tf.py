@@ -496,6 +496,66 @@ def cpu_devices_per_worker(k: int):
         extended._initialize_local_devices = original
 
 
+def worker_leader_all_reduce(strategy):
+    """A hierarchical sum for a multi-worker strategy with several CPU replicas per worker, or None.
+
+    Returns `exchange(ctx, buffers) -> sums`, to call in replica context with
+    dense buffers of equal shape on every replica: each buffer is summed over
+    the worker's local replicas on its first device, all-reduced across the
+    workers by a collective group of one device per worker, and the sum copied
+    back to every local device. The cross-worker ring then has W members and
+    every worker sends 2 (W - 1) / W of each buffer over gRPC, where
+    TensorFlow's one collective over all W x K devices sends 2 (W K - 1) /
+    (W K) of it in W x K ring steps.
+
+    Private API: the group of one device per worker is the strategy's own
+    `CollectiveAllReduceExtended._host_cross_device_ops` (TensorFlow's
+    per-host collective, created with the strategy's `CollectiveKeys`, so its
+    group key agrees on every worker) and its `CollectiveReplicaLauncher`,
+    whose `all_reduce` chains the collectives by its own ordering token.
+    Verified on TensorFlow 2.21. Returns None, so the exchange stays
+    TensorFlow's, where those parts are missing or the host device is not the
+    worker's first replica device (GPU workers).
+    """
+    from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+    from tensorflow.python.distribute import device_util
+    from tensorflow.python.distribute import values as values_lib
+
+    extended = strategy.extended
+    host = getattr(extended, "_host_cross_device_ops", None)
+    launchers = getattr(host, "_launchers", None)
+    devices = tuple(extended.worker_devices)
+    if (
+        not isinstance(host, cross_device_ops_lib.CollectiveAllReduce)
+        or not launchers
+        or len(launchers) != 1
+        or not hasattr(launchers[0], "all_reduce")
+        or len(devices) < 2
+        or device_util.canonicalize(getattr(extended, "_worker_device", "")) != device_util.canonicalize(devices[0])
+    ):
+        return None
+    launcher, leader = launchers[0], devices[0]
+
+    def exchange(ctx, buffers):
+        def merged(strategy, *per_replica):
+            sums = []
+            for value in per_replica:
+                parts = strategy.experimental_local_results(value)
+                with tf.device(leader):
+                    local = tf.math.add_n(list(parts))
+                total = launcher.all_reduce(local)
+                copies = []
+                for device in devices:
+                    with tf.device(device):
+                        copies.append(tf.identity(total))
+                sums.append(values_lib.PerReplica(copies))
+            return sums
+
+        return list(ctx.merge_call(merged, args=tuple(buffers)))
+
+    return exchange
+
+
 def all_gather_equal_shapes(value):
     """Replica context: every replica's `value` concatenated along axis 0, in one collective.
 

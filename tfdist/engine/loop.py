@@ -29,6 +29,7 @@ from typing import Callable, Optional, Union
 import keras
 import tensorflow as tf
 
+from tfdist import collectives
 from tfdist._compat import keras as kc
 from tfdist.data.sinking import SunkIterator
 from tfdist.engine import step as step_lib
@@ -292,7 +293,8 @@ def packed_metrics_result(model) -> dict:
 
     def replica_fn():
         state = step_lib.local_metric_state(variables)
-        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, state)
+        # One buffer, summed as the gradients are (within each worker first where that is hierarchical).
+        return collectives.all_reduce_sum([state], bucket_bytes=0)[0]
 
     summed = strategy.experimental_local_results(strategy.run(replica_fn))[0]
     return step_lib.metrics_result_from_state(model, variables, summed)

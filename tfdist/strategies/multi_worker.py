@@ -100,6 +100,13 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             start-up for the other tasks to answer before it raises
             `tfdist.cluster.StartupTimeoutError` naming them; default 300
             (environment TFDIST_STARTUP_TIMEOUT).
+        hierarchical: bool. With several logical CPU devices on each of
+            several workers (`devices_per_worker` K > 1), each gradient
+            bucket is summed within the worker first, all-reduced across
+            workers from the worker's first device only, and copied to its
+            other devices: the ring has W members instead of W x K. Default
+            True; False keeps TensorFlow's one ring through every device.
+            GPU workers keep TensorFlow's collective over all their GPUs.
         devices_per_worker: Optional int. GPUs per worker to train on;
             default all of them, or one CPU replica on hosts without GPUs.
             On a worker without GPUs, K > 1 trains on its logical CPU
@@ -129,6 +136,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
         "collective_timeout": options_lib.COLLECTIVE_TIMEOUT,
         "startup_timeout": options_lib.STARTUP_TIMEOUT,
         "devices_per_worker": options_lib.DEVICES_PER_WORKER,
+        "hierarchical": options_lib.HIERARCHICAL,
         "auto_shard": AUTO_SHARD,
     }
 
@@ -141,6 +149,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
         devices_per_worker: Optional[int] = None,
         auto_shard: str = "auto",
         startup_timeout: Optional[float] = None,
+        hierarchical: bool = True,
         **options,
     ):
         params = self._tfdist_init(
@@ -151,6 +160,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
                 "collective_timeout": collective_timeout,
                 "startup_timeout": startup_timeout,
                 "devices_per_worker": devices_per_worker,
+                "hierarchical": hierarchical,
                 "auto_shard": auto_shard,
                 **options,
             }
@@ -192,6 +202,13 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
         else:
             with self._local_devices(cpu_replicas):
                 super().__init__(cluster_resolver=resolver, communication_options=comm)
+        # Several CPU replicas on each of several workers: sum within the worker, then across
+        # (docs/multi_worker.md, "Several devices per worker"). None: TensorFlow's one ring.
+        self.hierarchical_exchange = (
+            tfc.worker_leader_all_reduce(self)
+            if params["hierarchical"] and cpu_replicas and self.num_workers > 1
+            else None
+        )
         run_creation_hooks("multi_worker", self)
 
     @classmethod

@@ -264,7 +264,7 @@ class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclas
         devices: Optional list of device strings (one host). Default: every
             local GPU, else every logical CPU device.
         cluster, cluster_resolver, communication, collective_timeout,
-            devices_per_worker, auto_shard: run across the worker processes of
+            devices_per_worker, auto_shard, hierarchical: run across the worker processes of
             a job, as the 'multi_worker' strategy does (same arguments, same
             TF_CONFIG resolution and validation). A TF_CONFIG listing several
             chief/worker tasks, or any of these arguments, makes the strategy
@@ -315,7 +315,7 @@ class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclas
 
     def __init__(self, stage: int = 1, devices: Sequence[str] | None = None, **options):
         _check_stage(stage)
-        for name in _CLUSTER_ARGUMENTS:  # None here: one host
+        for name in _CLUSTER_ARGUMENTS + ("hierarchical",):  # None here, or moot: one host
             options.pop(name, None)
         super().__init__(devices=devices, stage=stage, **options)
         self.stage = stage
@@ -384,8 +384,9 @@ def _check_stage(stage) -> None:
         raise options_lib.OptionError(f"Argument 'stage' must be 1, 2 or 3. Received: stage={stage!r}")
 
 
-# The multi-worker strategy's own arguments: any of them selects the multi-worker variant.
-_CLUSTER_ARGUMENTS = tuple(MultiWorkerMirroredStrategy.PARAMS)
+# The multi-worker strategy's own arguments: any of them selects the multi-worker variant
+# (`hierarchical` does not: it only says how a job of several workers sums).
+_CLUSTER_ARGUMENTS = tuple(name for name in MultiWorkerMirroredStrategy.PARAMS if name != "hierarchical")
 
 
 def _runs_across_workers(kwargs: dict) -> bool:
