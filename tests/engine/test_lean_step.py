@@ -6,6 +6,7 @@ import collections
 
 import keras
 import numpy as np
+import pytest
 
 from tests.engine.common import make_strategy, max_relative_difference
 from tests.engine.test_xla import _fit_and_collect_executed_ops
@@ -18,12 +19,13 @@ def _model():
     return model
 
 
-def test_one_replica_step_has_no_collective_and_no_gradient_passes_beyond_keras():
+@pytest.mark.parametrize("name", ["mirrored", "central_storage"])
+def test_one_replica_step_has_no_collective_and_no_gradient_passes_beyond_keras(name):
     rng = np.random.RandomState(0)
     x, y = rng.normal(size=(64, 16)).astype("float32"), rng.normal(size=(64, 4)).astype("float32")
     reference = _model()
     reference_ops = collections.Counter(n.op for n in _fit_and_collect_executed_ops(reference, x, y))
-    with make_strategy("mirrored", replicas=1).scope():
+    with make_strategy(name, replicas=1).scope():
         model = _model()
     ops = collections.Counter(n.op for n in _fit_and_collect_executed_ops(model, x, y))
     assert max_relative_difference(reference, model) < 1e-6

@@ -753,7 +753,18 @@ def all_reduce(step, data):
 
 
 def reduce_to_variables(step, data) -> None:
-    """Gradients are summed onto the parameter device; each variable is updated once."""
+    """Gradients are summed onto the parameter device; each variable is updated once.
+
+    With one replica there is nothing to sum: its gradients go to the
+    parameter device as they are (no bucket packing, no reduction).
+    """
+    destination = step.strategy.parameter_device
+    if step.strategy.num_replicas_in_sync == 1:
+        values = step.strategy.experimental_local_results(step.strategy.run(step.local_gradients, args=(data,)))[0]
+        with tf.device(destination):
+            grads = step.finish(list(values))
+        step.apply(grads)
+        return
     plans = []
 
     def replica_fn(batch):
@@ -763,7 +774,6 @@ def reduce_to_variables(step, data) -> None:
         return plan.pack(values)
 
     packed = step.strategy.run(replica_fn, args=(data,))
-    destination = step.strategy.parameter_device
     summed = collectives.reduce_to_device(step.strategy, packed, plans[0], destination)
     with tf.device(destination):
         grads = step.finish(summed)
