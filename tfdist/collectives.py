@@ -265,17 +265,17 @@ def all_reduce_sum(values: Sequence, bucket_bytes: int, allreduce_dtype: str = "
     hierarchy = getattr(ctx.strategy, "hierarchical_exchange", None)
     if hierarchy is not None and n:
         # Several CPU replicas per worker (multi_worker, `hierarchical`): each
-        # bucket summed within the worker, then across workers, in send order.
+        # bucket summed within the worker, then across workers, in send order;
+        # sparse gradients as TensorFlow exchanges them.
         dense = hierarchy(ctx, packed[:n])
-        sparse = (
-            ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed[n:], options=_ONE_COLLECTIVE_PER_BUFFER)
+        rest = ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed[n:], options=_ONE_COLLECTIVE_PER_BUFFER) \
             if packed[n:] else []
+    else:
+        reduced = ctx.all_reduce(
+            tf.distribute.ReduceOp.SUM, packed[:n][::-1] + packed[n:], options=_ONE_COLLECTIVE_PER_BUFFER
         )
-        return plan.unpack(restore(list(dense)) + list(sparse))
-    reduced = ctx.all_reduce(
-        tf.distribute.ReduceOp.SUM, packed[:n][::-1] + packed[n:], options=_ONE_COLLECTIVE_PER_BUFFER
-    )
-    return plan.unpack(restore(list(reduced[:n])[::-1]) + list(reduced[n:]))
+        dense, rest = list(reduced[:n])[::-1], reduced[n:]
+    return plan.unpack(restore(list(dense)) + list(rest))
 
 
 def compress(buffers: Sequence, allreduce_dtype: str, num_replicas: int):

@@ -315,7 +315,7 @@ class ShardedOptimizerStrategy(_ShardedStrategyMixin, MirroredStrategy, metaclas
 
     def __init__(self, stage: int = 1, devices: Sequence[str] | None = None, **options):
         _check_stage(stage)
-        for name in _CLUSTER_ARGUMENTS + ("hierarchical",):  # None here, or moot: one host
+        for name in MultiWorkerMirroredStrategy.PARAMS:  # None here, or moot (`hierarchical`): one host
             options.pop(name, None)
         super().__init__(devices=devices, stage=stage, **options)
         self.stage = stage
