@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import keras
 import numpy as np
 import pytest
@@ -273,23 +275,36 @@ def _bn_data(samples=79):
     return x, rng.randint(0, 3, samples), rng.uniform(0.5, 2.0, samples).astype("float32")
 
 
-@pytest.mark.parametrize("name,sink_size", [("mirrored", 4), ("central_storage", "epoch"), ("sharded_optimizer", 3)])
-def test_chunked_sinking_trains_exactly_as_batch_by_batch(name, sink_size):
+@pytest.mark.parametrize(
+    "name,sink_size,samples,batch_size",
+    [
+        ("mirrored", 4, 79, 24),
+        ("central_storage", "epoch", 79, 24),
+        ("sharded_optimizer", 3, 79, 24),
+        ("mirrored", "epoch", 72, 24),
+        ("mirrored", 2, 60, 20),
+    ],
+)
+def test_chunked_sinking_trains_exactly_as_batch_by_batch(name, sink_size, samples, batch_size):
     # 79 samples in batches of 24 over 3 replicas: 24, 24, 24 and 7, the last
     # split 3/3/1 (an even split would be 3/2/2); a dict input, sample weights
     # and a non-synchronized BatchNorm, whose statistics are per replica.
-    x, y, w = _bn_data()
+    # 72 and 60 samples: whole batches, so every batch has one static shape
+    # and chunks are stacked without padding; 24 splits evenly over 3
+    # replicas, 20 as 7/7/6.
+    x, y, w = _bn_data(samples)
+    batches = -(-samples // batch_size)
     results = {}
     for sink in (1, sink_size):
         with make_strategy(name, replicas=3, sink_size=sink).scope():
             model = _bn_model()
         calls = HostCalls(model)
-        history = model.fit(x, y, sample_weight=w, batch_size=24, epochs=2, shuffle=False, verbose=0,
+        history = model.fit(x, y, sample_weight=w, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
                             validation_data=(x, y), callbacks=[calls])
         results[sink] = (model.get_weights(), history.history, calls.kinds)
     (per_step, per_step_history, per_step_kinds), (sunk, sunk_history, sunk_kinds) = results[1], results[sink_size]
     assert set(per_step_kinds) != {"SunkIterator"}
-    assert sunk_kinds == ["SunkIterator"] * (2 if sink_size == "epoch" else 2 * -(-4 // sink_size))
+    assert sunk_kinds == ["SunkIterator"] * (2 if sink_size == "epoch" else 2 * -(-batches // sink_size))
     for a, b in zip(per_step, sunk):
         np.testing.assert_array_equal(a, b)
     assert sunk_history == per_step_history
@@ -391,3 +406,68 @@ def test_chunked_sinking_matches_batch_by_batch_on_the_zoo(model_name):
         kinds.append(calls.kinds)
     assert kinds[1] == ["SunkIterator"] * 2 and "SunkIterator" not in kinds[0]
     assert max_relative_difference(models[0], models[1]) < 1e-6
+
+
+def _loop_bodies(graph):
+    """The bodies (`FunctionDef`) of every `While` in `graph`, nested ones included."""
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+    bodies = []
+
+    def visit(nodes):
+        for node in nodes:
+            if node.op in ("While", "StatelessWhile"):
+                bodies.append(library[node.attr["body"].func.name])
+                visit(bodies[-1].node_def)
+            for attr in ("then_branch", "else_branch", "f"):
+                if attr in node.attr and node.attr[attr].func.name in library:
+                    visit(library[node.attr[attr].func.name].node_def)
+
+    visit(graph.as_graph_def().node)
+    return bodies
+
+
+def _ops(body, scope=""):
+    return collections.Counter(n.op for n in body.node_def if n.op != "Const" and scope in n.name)
+
+
+def test_a_sunk_step_cuts_its_batch_with_one_gather_per_leaf_and_replica():
+    # The step loop over a chunk runs the same step as a loop over one batch
+    # already on the devices, plus one gather per leaf (x, y) and replica:
+    # the chunk is split over the replicas once per chunk, not per step (it
+    # was ~20 small ops per leaf and replica per step, a third of the digits
+    # MLP's step on 2 logical CPU devices). With a short last batch, batches
+    # differ in size and each cut also drops its padding: its row count
+    # (a second gather), a Pack and a Slice.
+    from tfdist.engine.loop import CUT_BATCH_SCOPE
+
+    rng = np.random.RandomState(0)
+    x, y = rng.normal(size=(101, 8)).astype("float32"), rng.randint(0, 3, 101)
+
+    def model_under(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(3)])
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    reference = model_under(make_strategy("mirrored", replicas=2))
+    reference.fit(x[:32], y[:32], batch_size=32, verbose=0)
+    step = tfdist.engine.TrainStep(reference)
+    batch = next(iter(reference.distribute_strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x[:32], y[:32])).batch(32))))
+
+    @tf.function
+    def on_device(batch):
+        return tf.while_loop(lambda i: i < 4, lambda i: (step(batch), i + 1)[1:], (tf.constant(0),))
+
+    (on_device_body,) = _loop_bodies(on_device.get_concrete_function(batch).graph)
+    cut = {}
+    for rows in (96, 101):
+        model = model_under(make_strategy("mirrored", replicas=2, sink_size="epoch"))
+        model.fit(x[:rows], y[:rows], batch_size=32, shuffle=False, verbose=0)
+        (body,) = _loop_bodies(model.train_function.traced_graphs[-1])
+        cut[rows] = _ops(body, CUT_BATCH_SCOPE)
+        if rows == 96:
+            assert _ops(body) - _ops(on_device_body) == collections.Counter({"GatherV2": 4})
+            assert _ops(on_device_body) - _ops(body) == collections.Counter()
+    assert cut == {96: {"GatherV2": 4}, 101: {"GatherV2": 8, "Pack": 4, "Slice": 4}}

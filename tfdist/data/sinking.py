@@ -82,14 +82,25 @@ def batches_per_chunk(spec, batch_size: Optional[int], steps_per_call: int) -> i
     return max(d for d in range(1, most + 1) if steps_per_call % d == 0)
 
 
+def fixed_shapes(spec) -> bool:
+    """Whether every batch of element spec `spec` has one static shape (its chunks need no padding)."""
+    return all(s.shape.is_fully_defined() for s in tf.nest.flatten(spec))
+
+
 def chunk_dataset(dataset: tf.data.Dataset, chunk: int) -> tf.data.Dataset:
     """`dataset`'s batches in chunks of `chunk` (the last of an epoch may be shorter).
 
-    Each element is a flat tuple: every leaf of the batch structure stacked
-    over the chunk's batches (padded to the largest), then every leaf's
-    per-batch shape (`int32 [batches, rank]`). `chunk` divides the steps of a
-    host call (`batches_per_chunk`), so no chunk spans two calls.
+    Where every batch has one static shape (`fixed_shapes`: Keras's NumPy
+    input when the rows divide into whole batches, `drop_remainder=True`),
+    each element is the batch structure stacked over the chunk's batches
+    (`batch`). Otherwise it is a flat tuple: every leaf of the batch structure
+    stacked over the chunk's batches (padded to the largest), then every
+    leaf's per-batch shape (`int32 [batches, rank]`), one `map` more per
+    batch. `chunk` divides the steps of a host call (`batches_per_chunk`), so
+    no chunk spans two calls.
     """
+    if fixed_shapes(dataset.element_spec):
+        return dataset.batch(chunk).prefetch(1)
 
     def with_shapes(*element):
         leaves = tf.nest.flatten(element)
