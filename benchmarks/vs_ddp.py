@@ -21,7 +21,8 @@ the MLPs 64-512-512-10 and 64-2048-2048-2048-10 and a small convnet
   when torch is not installed (`pip install -e .[bench]` installs the CPU
   wheel, torch==2.13.0).
 
-`--bucket-mib 1 4 16 64` adds tfdist multi_worker rows with those bucket sizes
+`--sink-sizes 8 32` adds tfdist multi_worker rows that run K steps per host
+call (`sink_size`; Keras's `steps_per_execution`). `--bucket-mib 1 4 16 64` adds tfdist multi_worker rows with those bucket sizes
 (the step option `bucket_bytes`, default 25 MiB), to tune it for gRPC ring
 collectives. `--devices-per-worker 2` adds rows where every worker trains 2
 logical CPU devices on its one core (`tfdist launch --devices-per-worker 2`;
@@ -113,6 +114,8 @@ def tf_worker(args) -> None:
     kwargs = {"stage": args.stage} if args.strategy == "sharded_optimizer" else {}
     if args.flat:
         kwargs["hierarchical"] = False
+    if args.sink_size:
+        kwargs["sink_size"] = args.sink_size
     strategy = tfdist.get_strategy(args.strategy, **kwargs)
     # A one-worker sharded_optimizer job is the local strategy, which has no num_workers.
     global_batch = args.per_worker_batch * workers
@@ -129,7 +132,7 @@ def tf_worker(args) -> None:
 
 
 def run_tfdist(strategy: str, model: str, workers: int, args, stage: int = 1, env: dict | None = None,
-               flat: bool = False) -> float:
+               flat: bool = False, sink: int = 0) -> float:
     from tfdist.launch import run_job
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,7 +140,8 @@ def run_tfdist(strategy: str, model: str, workers: int, args, stage: int = 1, en
         command = [sys.executable, os.path.abspath(__file__), "--tf-worker", "--out", out,
                    "--strategy", strategy, "--stage", str(stage), "--model", model,
                    "--epochs", str(args.epochs), "--steps", str(args.steps),
-                   "--per-worker-batch", str(args.per_worker_batch)] + (["--flat"] if flat else [])
+                   "--per-worker-batch", str(args.per_worker_batch), "--sink-size", str(sink)]
+        command += ["--flat"] if flat else []
         status = run_job(command, workers=workers, env={**THREAD_ENV, **(env or {})}, timeout=args.timeout)
         if status != 0 or not os.path.exists(out):
             print(f"  {strategy} {model} {workers} worker(s): job failed with status {status}", flush=True)
@@ -306,6 +310,8 @@ def main() -> None:
     p.add_argument("--no-compressed", action="store_true", help="leave out the allreduce_dtype='bfloat16' row")
     p.add_argument("--bucket-mib", type=float, nargs="+", default=[], metavar="MIB",
                    help="extra tfdist multi_worker rows with bucket_bytes of these sizes (e.g. 1 4 16 64)")
+    p.add_argument("--sink-sizes", type=int, nargs="+", default=[], metavar="K",
+                   help="extra tfdist multi_worker rows with sink_size K (K steps per host call)")
     p.add_argument("--devices-per-worker", type=int, default=0, metavar="K",
                    help="extra rows: every worker trains K logical CPU devices on its one core, with the "
                         "hierarchical exchange (default) and with one ring through every device (K >= 2)")
@@ -314,7 +320,7 @@ def main() -> None:
     for hidden in ("--tf-worker", "--ddp-worker", "--matmul-worker", "--flat"):
         p.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
     for hidden, kind in (("--out", str), ("--strategy", str), ("--model", str), ("--core", int),
-                         ("--seconds", float), ("--stage", int)):
+                         ("--seconds", float), ("--stage", int), ("--sink-size", int)):
         p.add_argument(hidden, type=kind, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.tf_worker:
@@ -352,6 +358,9 @@ def main() -> None:
         sized = {"TFDIST_BUCKET_BYTES": str(int(mib * 2**20))}
         frameworks.append((f"tfdist multi_worker, {mib:g} MiB buckets",
                            lambda m, w, env=sized: None if w == 1 else run_tfdist("multi_worker", m, w, args, env=env)))
+    for k in args.sink_sizes:
+        frameworks.append((f"tfdist multi_worker, sink_size {k}",
+                           lambda m, w, k=k: run_tfdist("multi_worker", m, w, args, sink=k)))
     if args.devices_per_worker >= 2:
         from tfdist.launch import devices_per_worker_environment
 
