@@ -6,9 +6,11 @@ still asks the input pipeline for its batch: on 2 logical CPU devices
 TensorFlow's multi-device iterator costs about 0.4 ms per step, three times
 the digits MLP's whole step (measured, issue 16). When every replica is in this
 process, tfdist instead hands the loop a *chunk*: up to k batches stacked by
-`tf.data` on the host (`padded_batch`, each batch's own shape kept beside
-it), fetched once; each step cuts its batch out of the chunk and splits it
-over the replicas exactly as `tf.distribute` would (`replica_rows`).
+`tf.data` on the host (`batch` where every batch has one static shape, else
+`padded_batch` with each batch's own shape kept beside it), fetched once.
+The loop splits the chunk over the replicas once, exactly as `tf.distribute`
+splits each batch (`replica_rows`), and each step gathers its batch from its
+replica's part (`tfdist.engine.loop.run_chunks`).
 
 A chunk holds at most `MAX_BATCHES_PER_CHUNK` batches and `SINK_CHUNK_BYTES`
 of input, and its size divides a host call's steps (several chunks per call
