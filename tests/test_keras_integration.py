@@ -397,3 +397,44 @@ def test_a_failed_load_leaves_the_model_as_it_was_and_prints_no_tensor(name, tmp
     assert "value=[" not in message
     for kept, now in zip(before, model.get_weights()):
         np.testing.assert_array_equal(kept, now)
+
+
+def _conv_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((6, 6, 2)), keras.layers.Conv2D(3, 3), keras.layers.Flatten(), keras.layers.Dense(3),
+    ])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_an_empty_replica_share_under_a_conv_with_bias_names_the_cause_and_the_fixes():
+    # TensorFlow's oneDNN kernel for Conv2DBackpropFilter fused with the bias
+    # gradient returns no bias gradient for an empty batch. Plain Keras on one
+    # device shows it when given an empty batch; under a strategy, 31 samples
+    # in batches of 10 over 2 replicas end with a batch of 1, whose second
+    # share is empty. Where the kernel has the fault, fit names the cause and
+    # the fixes; where it has not (oneDNN off), fit trains.
+    rng = np.random.RandomState(0)
+    x, y = rng.normal(size=(31, 6, 6, 2)).astype("float32"), rng.randint(0, 3, 31)
+    try:
+        _conv_model().train_on_batch(x[:0], y[:0])
+        upstream_fails = False
+    except tf.errors.InternalError as error:
+        assert "Missing 1-th output" in str(error)
+        upstream_fails = True
+    with strategy_for("mirrored", 2).scope():
+        model = _conv_model()
+    if upstream_fails:
+        with pytest.raises(ValueError, match=r"fewer examples than the 2 replicas") as raised:
+            model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
+        assert "TF_ENABLE_ONEDNN_OPTS=0" in str(raised.value)
+        assert "a last batch of 2 or more" in str(raised.value)
+        # The fix works in the same process: every share of 30 in batches of 10 has 5 rows.
+        before = int(model.optimizer.iterations.numpy())
+        model.fit(x[:30], y[:30], batch_size=10, epochs=1, shuffle=False, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == before + 3
+    else:
+        model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 4
+    assert all(np.isfinite(w).all() for w in model.get_weights())

@@ -494,6 +494,21 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
             if better is None:
                 raise
             raise better from error
+        except tf.errors.InternalError as error:
+            if "Missing 1-th output" not in str(error) or "BackpropFilter" not in str(error):
+                raise
+            replicas = model.distribute_strategy.num_replicas_in_sync
+            raise ValueError(
+                "TensorFlow's oneDNN kernel for the gradient of a convolution with a bias failed on "
+                "an empty batch (InternalError 'Missing 1-th output from ...BackpropFilter'; plain "
+                "Keras on one device fails the same way on an empty batch). A replica gets an empty "
+                f"share when a batch has fewer examples than the {replicas} replicas, as the last "
+                "batch of an epoch can: tf.distribute gives each replica ceil(batch / replicas) "
+                "rows in turn, and the last replicas what is left. Choose a batch size that leaves "
+                f"every replica at least one example (a last batch of {replicas} or more, or none), "
+                "pass drop_remainder=True to a tf.data pipeline's batch, or set the environment "
+                "variable TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported."
+            ) from error
         except tf.errors.InvalidArgumentError as error:
             if "Shape mismatch in the collective instance" not in str(error) or steps == 1:
                 raise
