@@ -268,8 +268,10 @@ def all_reduce_sum(values: Sequence, bucket_bytes: int, allreduce_dtype: str = "
         # bucket summed within the worker, then across workers, in send order;
         # sparse gradients as TensorFlow exchanges them.
         dense = hierarchy(ctx, packed[:n])
-        rest = ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed[n:], options=_ONE_COLLECTIVE_PER_BUFFER) \
+        rest = (
+            ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed[n:], options=_ONE_COLLECTIVE_PER_BUFFER)
             if packed[n:] else []
+        )
     else:
         reduced = ctx.all_reduce(
             tf.distribute.ReduceOp.SUM, packed[:n][::-1] + packed[n:], options=_ONE_COLLECTIVE_PER_BUFFER

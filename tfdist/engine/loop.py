@@ -227,12 +227,9 @@ def run_chunks(
             if batch is not None and batch % replicas == 0:
                 width = batch // replicas
                 for r in range(replicas):
-                    parts[r].append((v if replicas == 1 else v[:, r * width:(r + 1) * width], None, inner))
+                    parts[r].append((v[:, r * width:(r + 1) * width], None, inner))
                 continue
             sizes = tf.fill(tf.shape(v)[:1], batch) if s is None else s[:, 0]
-            if replicas == 1:
-                parts[0].append((v, sizes, inner))
-                continue
             longest = tf.shape(v)[1]
             width = (longest + replicas - 1) // replicas
             offsets = tf.range(width)[tf.newaxis, :]
@@ -257,10 +254,8 @@ def run_chunks(
         elif counts is not None:
             rank = leaf.shape.rank
             t = tf.slice(t, [0] * rank, tf.stack([tf.gather(counts, j)] + [-1] * (rank - 1)))
-        # Static where `tf.distribute` would know it: an evenly split static batch.
-        batch = leaf.shape[0]
-        t.set_shape([batch // replicas if batch is not None and batch % replicas == 0 else None]
-                    + leaf.shape.as_list()[1:])
+        # Static where `tf.distribute` would know it: an evenly split static batch (no counts).
+        t.set_shape([rows.shape[1] if counts is None else None] + leaf.shape.as_list()[1:])
         return t
 
     if one_chunk_per_call:

@@ -758,23 +758,21 @@ def reduce_to_variables(step, data) -> None:
     With one replica there is nothing to sum: its gradients go to the
     parameter device as they are (no bucket packing, no reduction).
     """
-    destination = step.strategy.parameter_device
-    if step.strategy.num_replicas_in_sync == 1:
-        values = step.strategy.experimental_local_results(step.strategy.run(step.local_gradients, args=(data,)))[0]
-        with tf.device(destination):
-            grads = step.finish(list(values))
-        step.apply(grads)
-        return
-    plans = []
+    strategy = step.strategy
+    destination = strategy.parameter_device
+    if strategy.num_replicas_in_sync == 1:
+        summed = list(strategy.experimental_local_results(strategy.run(step.local_gradients, args=(data,)))[0])
+    else:
+        plans = []
 
-    def replica_fn(batch):
-        values = step.local_gradients(batch)
-        plan = collectives.BucketPlan.build(values, step.options.bucket_bytes)
-        plans.append(plan)
-        return plan.pack(values)
+        def replica_fn(batch):
+            values = step.local_gradients(batch)
+            plan = collectives.BucketPlan.build(values, step.options.bucket_bytes)
+            plans.append(plan)
+            return plan.pack(values)
 
-    packed = step.strategy.run(replica_fn, args=(data,))
-    summed = collectives.reduce_to_device(step.strategy, packed, plans[0], destination)
+        packed = strategy.run(replica_fn, args=(data,))
+        summed = collectives.reduce_to_device(strategy, packed, plans[0], destination)
     with tf.device(destination):
         grads = step.finish(summed)
     step.apply(grads)
