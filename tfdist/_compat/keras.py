@@ -123,6 +123,17 @@ def tf_variable(v):
     return v.value if isinstance(v, keras.Variable) else v
 
 
+def stored_variable(v):
+    """The TensorFlow variable that stores a Keras variable, whatever a `keras.StatelessScope` maps it to.
+
+    In a stateless scope that maps it, `keras.Variable.value` (and so
+    `handle`, which `tf.GradientTape.gradient` reads) is the mapped tensor,
+    which has no handle. Private: `Variable._value` (the TensorFlow backend's
+    storage). Verified on Keras 3.5 to 3.15.
+    """
+    return v._value if isinstance(v, keras.Variable) else v
+
+
 def reorder_like(grads, variables, reference):
     """`grads` (one per `variables`) in the order of `reference`; `None` at a variable of
     `reference` that `variables` lacks. Variables match by the TensorFlow variable behind them."""

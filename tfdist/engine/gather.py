@@ -175,6 +175,29 @@ def _updates(scope, mapping: dict, skip) -> list:
             if key not in skip and mapping.get(key) is not value]
 
 
+def with_outside_reads(gradient, part_values: list) -> list:
+    """A unit variable's `(part gradients, gradient of its whole value read outside the units)` as part gradients.
+
+    The whole value (`whole`) is what the pass reads outside a unit's call:
+    a weight regularizer, a loss the model's `call` adds, a layer tied to
+    the variable. Its gradient (None where nothing read it) is split by rows
+    and added to the parts' gradients from the units.
+    """
+    part_grads, outside = gradient
+    part_grads = list(part_grads)
+    if outside is None:
+        return part_grads
+    out = []
+    for own, extra in zip(part_grads, _per_part(outside, part_values)):
+        if own is None or extra is None:
+            out.append(extra if own is None else own)
+        elif isinstance(own, tf.IndexedSlices) or isinstance(extra, tf.IndexedSlices):
+            out.append(tf.convert_to_tensor(own) + tf.convert_to_tensor(extra))
+        else:
+            out.append(own + extra)
+    return out
+
+
 def _control_inputs(tensors) -> list:
     """`tensors` (None dropped, sparse ones by their values) for `tf.control_dependencies`."""
     return [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors if t is not None]

@@ -236,6 +236,8 @@ class TrainStep:
         self.options = strategy.options
         self.optimizer = optimizer
         self.variables = variables
+        # Trainable variables with a weight regularizer (Keras adds its loss in `compute_loss`).
+        self.regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
         self.jit_compile = bool(jit_compile)
         # The optimizer whose update rule runs: a LossScaleOptimizer's inner one.
         self.update_optimizer = kc.inner_optimizer(self.optimizer)
@@ -344,6 +346,7 @@ class TrainStep:
         with tf.GradientTape() as tape:
             if sources is not None:
                 tape.watch(sources)
+            self._read_regularized_here()
             y_pred = kc.call_model(model, x, training=True)
             loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=True)
             scaled = self.loss_scale.scale_loss(loss) if self.loss_scale else loss
@@ -352,6 +355,25 @@ class TrainStep:
             if weight_factor is not None:
                 scaled = scaled * tf.cast(weight_factor, scaled.dtype)
         return y_pred, loss, self.gradients(tape, scaled, sources)
+
+    def _read_regularized_here(self) -> None:
+        """In a `keras.StatelessScope` that does not map them: maps the regularized variables to values read here.
+
+        Keras computes a weight regularizer's loss from the scope's value of
+        the variable (`Layer._get_regularization_losses`), and gets None
+        (`AttributeError: 'NoneType' object has no attribute 'dtype'`) where
+        the scope maps only what the pass assigns (the compiled forward and
+        backward pass, `_stateless_forward_backward` without `gathered`).
+        Read under the step's tape, the value carries the regularizer's
+        gradient to the variable, as the variable itself does outside a scope.
+        `_stateless_forward_backward` does not write these values back.
+        """
+        scope = kc.stateless_scope()
+        if scope is None:
+            return
+        for v in self.regularized:
+            if scope.get_current_value(v) is None:
+                kc.record_stateless_update(scope, id(v), tf.convert_to_tensor(kc.stored_variable(v)))
 
     def gradients(self, tape, target, sources=None) -> list:
         """`target`'s gradient for each of the step's variables, each with its variable's static shape.
@@ -366,7 +388,9 @@ class TrainStep:
         if sources is not None:
             grads = tape.gradient(target, sources)
         elif self.gradient_sources is None:
-            grads = tape.gradient(target, variables)
+            # The stored variables: in a stateless scope a Keras variable's
+            # handle is what the scope maps it to (`_read_regularized_here`).
+            grads = tape.gradient(target, [kc.stored_variable(v) for v in variables])
         else:
             parts = tape.gradient(target, [p for ps in self.gradient_sources for p in ps])
             grads, i = [], 0
@@ -382,7 +406,7 @@ class TrainStep:
 
         Runs in a `keras.StatelessScope`: assignments made by the forward pass
         are recorded, not executed, and come back as `{index in
-        model.variables: new value}`; losses added by layers are collected by
+        _stateful_variables(): new value}`; losses added by layers are collected by
         the scope and read by `compute_loss` as usual. With `gathered` (one
         value per trainable variable), the layers read those values and the
         gradients are taken with respect to them; `also` maps the variables of
@@ -395,12 +419,14 @@ class TrainStep:
         if also:
             mapping += list(zip(self._frozen_parts(), also))
         mapped = {id(v) for v, _ in mapping} if mapping else set()
+        # A regularized variable's value read for its regularizer is not an update.
+        mapped |= {id(v) for v in self.regularized}
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
             y_pred, loss, grads = self._forward_backward(
                 x, y, sample_weight, weight_factor, sources=gathered if sources is None else sources
             )
         updates = {}
-        for i, v in enumerate(self.model.variables):
+        for i, v in enumerate(self._stateful_variables()):
             if id(v) in mapped:
                 continue
             value = scope.get_current_value(v)
@@ -449,9 +475,11 @@ class TrainStep:
         (`tfdist.engine.gather`), and their gradients come back one per part,
         a tuple per variable (`sharded_parameters_path` sums each part's
         onto its device). A read outside the unit's call (a weight
-        regularizer) gets the parts concatenated there, an op that runs only
-        if something reads it. Under accumulation the parts' gradients are
-        joined into one per variable (the accumulators are whole).
+        regularizer, a loss added in the model's `call`, a layer tied to
+        another's kernel) gets the parts concatenated there, an op that runs
+        only if something reads it; that value is differentiated too, and its
+        gradient added to the parts'. Under accumulation the parts' gradients
+        are joined into one per variable (the accumulators are whole).
         """
         gathers = self.layer_gathers
         by_unit = gathers.gathered_by_units
@@ -460,7 +488,7 @@ class TrainStep:
         for i, v in enumerate(self.variables):
             if i in parts:
                 gathered.append(gather.whole(v, parts[i]))
-                sources.append(parts[i])
+                sources.append((parts[i], gathered[-1]))
             else:
                 gathered.append(tf.convert_to_tensor(kc.tf_variable(v)))
                 sources.append(gathered[-1])
@@ -470,6 +498,7 @@ class TrainStep:
                 x, y, sample_weight, weight_factor, gathered=gathered, also=also, sources=sources
             )
         self._assign_updates(updates)
+        grads = [gather.with_outside_reads(g, parts[i]) if i in parts else g for i, g in enumerate(grads)]
         grads = [
             (tuple(g) if self.accumulation is None else regroup(self.variables[i], list(g))) if i in parts else g
             for i, g in enumerate(grads)
@@ -495,10 +524,24 @@ class TrainStep:
             )
         return self._compiled_forward_backward[replica]
 
+    def _stateful_variables(self) -> list:
+        """What a forward pass may assign: the model's variables, then its metrics' not among them.
+
+        The metrics' include the per-output loss trackers Keras's compiled
+        loss updates inside `compute_loss` (a multi-output model's
+        `<output>_loss` in the history).
+        """
+        model_variables = list(self.model.variables)
+        known = {id(v) for v in model_variables}
+        return model_variables + [v for v in self.model.metrics_variables if id(v) not in known]
+
     def _assign_updates(self, updates: dict) -> None:
-        """Writes the layers' own updates a stateless pass recorded (`{index in model.variables: value}`)."""
+        """Writes what a stateless pass recorded (`{index in _stateful_variables(): value}`)."""
+        if not updates:
+            return
+        variables = self._stateful_variables()
         for i, value in updates.items():
-            self.model.variables[i].assign(value)
+            variables[i].assign(value)
 
     def _forward_backward_reducing(self, x, y, sample_weight, weight_factor, reducer):
         """The pass with each group of layers' weight gradients handed to `reducer` as its backward ends.
@@ -516,6 +559,14 @@ class TrainStep:
                 x, y, sample_weight, weight_factor, gathered=reads
             )
         reduction.flush()
+        # A dense gradient the tape still returns comes from a read outside
+        # the layers' calls (a weight regularizer, a loss added in the model's
+        # `call`, a layer tied to another's kernel): reduced too, after the
+        # pass, and added to the same slice (`reducer` sums into it).
+        outside = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
+        if outside:
+            reducer(outside, [grads[i] for i in outside])
+            grads = [None if i in outside else g for i, g in enumerate(grads)]
         self._assign_updates(updates)
         return y_pred, loss, grads
 

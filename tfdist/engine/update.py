@@ -235,10 +235,19 @@ class ClipByOptimizer(GradientTransformation):
         if not kc.clips_like_keras(optimizer):
             return None
         clip = float(optimizer.global_clipnorm)
-        dense = [tf.convert_to_tensor(g) for g in values if g is not None]
-        if not dense:
+        present = [g for g in values if g is not None]
+        if not present:
             return values, None
-        norm = tf.sqrt(tf.reduce_sum(tf.stack([tf.reduce_sum(tf.square(g)) for g in dense])))
+        # As Keras's `global_norm`: its `ops.square` squares a sparse
+        # gradient's rows as they are, a row looked up twice twice (not the
+        # square of their sum).
+        norm = tf.sqrt(tf.reduce_sum(tf.stack([
+            tf.reduce_sum(tf.square(g.values if isinstance(g, tf.IndexedSlices) else g)) for g in present
+        ])))
+        # Keras's `v * scale` turns a sparse gradient dense (rows looked up
+        # twice summed): the optimizer then updates every row, as for a dense
+        # gradient (Adam's moments of the rows not looked up decay). So here.
+        values = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in values]
         norm = tf.cast(norm, tf.float32)
         if pending is not None:
             norm = norm * tf.abs(pending)
