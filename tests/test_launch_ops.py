@@ -251,6 +251,9 @@ def test_with_parameter_servers_a_worker_failing_the_same_way_is_not_restarted_a
 PRINTS = r"""
     print("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR")
     print("I0000 00:00:1795406845.583601   18024 port.cc:153] oneDNN custom operations are on.")
+    # A multi-line log message: its second line names a task (was shown on its own).
+    print("I0000 00:00:1795406846.1   18024 coordination_service.cc:1] Example stragglers:")
+    print("/job:worker/replica:0/task:1")
     print("E0000 00:00:1795406848.832300   18024 cuda_platform.cc:52] failed call to cuInit: INTERNAL")
     print("To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow "
           "with the appropriate compiler flags.")
@@ -283,9 +286,10 @@ def test_all_progress_and_tf_logs_keep_everything(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     for role in ("worker:0", "worker:1"):
         mine = [line for line in lines if line.startswith(f"[{role}]")]
-        assert len(mine) == 8
+        assert len(mine) == 10
         assert mine[1] == f"[{role}] I0000 00:00:1795406845.583601   18024 port.cc:153] oneDNN custom operations are on."
-        assert mine[6] == f"[{role}] 2/2 \x1b[32m━━━━\x1b[0m loss: 0.5"
+        assert mine[3] == f"[{role}] /job:worker/replica:0/task:1"
+        assert mine[8] == f"[{role}] 2/2 \x1b[32m━━━━\x1b[0m loss: 0.5"
 
 
 def test_peers_complaining_once_the_job_has_finished_are_not_shown(tmp_path, capsys):

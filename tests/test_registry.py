@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -67,6 +68,22 @@ def test_bad_option_values_are_named(kwargs, message):
     with pytest.raises(OptionError) as e:
         tfdist.get_strategy("mirrored", **kwargs)
     assert str(e.value) == message
+
+
+def test_numpy_integers_are_integer_options():
+    # Before: "option 'sink_size' must be a positive integer or "epoch" ... Received:
+    # sink_size=np.int64(4) (type int64)".
+    strategy = tfdist.get_strategy(
+        "mirrored", devices=["/cpu:0"], sink_size=np.int64(4), bucket_bytes=np.int32(1024),
+        accumulation_steps=np.uint8(2),
+    )
+    options = strategy.options
+    assert (options.sink_size, options.bucket_bytes, options.accumulation_steps) == (4, 1024, 2)
+    assert all(type(v) is int for v in (options.sink_size, options.bucket_bytes, options.accumulation_steps))
+    with pytest.raises(OptionError, match=r"Received: sink_size=0$"):
+        tfdist.get_strategy("mirrored", devices=["/cpu:0"], sink_size=np.int64(0))
+    with pytest.raises(OptionError, match=r"Received: jit_compile=1 \(type int\)"):
+        tfdist.get_strategy("mirrored", devices=["/cpu:0"], jit_compile=1)
 
 
 def test_bucket_bytes_environment_override(monkeypatch):

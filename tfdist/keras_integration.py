@@ -82,6 +82,7 @@ def _patched_compile(original):
     @functools.wraps(original)
     def compile(self, *args, **kwargs):
         _check_compile_scope(self)
+        _check_jit_compile(self, kwargs.get("jit_compile", "auto"))
         result = original(self, *args, **kwargs)
         if _is_tfdist_model(self):
             from tfdist.engine.loop import validate_compiled_model
@@ -129,6 +130,30 @@ def _patched_make(original, kind: str):
         return getattr(self, attr)
 
     return make
+
+
+def _patched_predict_on_batch(original):
+    @functools.wraps(original)
+    def predict_on_batch(self, x):
+        # Keras hands the whole batch to every replica and concatenates their
+        # outputs, so with N replicas each row comes back N times (Keras 3.5 to
+        # 3.15; `tf.distribute.MirroredStrategy` alone does the same). Under a
+        # tfdist strategy whose replicas are all in this process, the batch is
+        # split over them as `predict` splits it, and each row returned once.
+        strategy = kc.model_strategy(self)
+        if (
+            not _is_tfdist_model(self)
+            or strategy.num_replicas_in_sync == 1
+            or getattr(strategy, "name", None) == "parameter_server"
+            or len(strategy.extended.worker_devices) != strategy.num_replicas_in_sync
+        ):
+            return original(self, x)
+        leaves = keras.tree.flatten(x)
+        if not leaves:
+            return original(self, x)
+        return self.predict(x, batch_size=max(int(np.shape(leaves[0])[0]), 1), verbose=0)
+
+    return predict_on_batch
 
 
 def _patched_symbolic_build(original):
@@ -201,6 +226,7 @@ def install() -> None:
     kc.replace_method(kc.trainer_base_class(), "compile", _patched_compile)
     kc.replace_method(trainer, "make_train_function", lambda original: _patched_make(original, "train"))
     kc.replace_method(trainer, "make_test_function", lambda original: _patched_make(original, "test"))
+    kc.replace_method(trainer, "predict_on_batch", _patched_predict_on_batch)
     # Checkpoint writes of tfdist models go to a temporary file renamed into place.
     checkpointing.install()
     if not _hooks_registered:
@@ -222,6 +248,7 @@ def uninstall() -> None:
     kc.restore_method(kc.trainer_base_class(), "compile")
     kc.restore_method(trainer, "make_train_function")
     kc.restore_method(trainer, "make_test_function")
+    kc.restore_method(trainer, "predict_on_batch")
     kc.restore_symbolic_build()
     kc.restore_default_dtype_policy()
     checkpointing.uninstall()
@@ -232,6 +259,18 @@ _hooks_registered: list = []
 # ---------------------------------------------------------------------------
 # Data sinking (tfdist.engine.loop): steps per host call.
 # ---------------------------------------------------------------------------
+
+
+def _check_jit_compile(model, given) -> None:
+    """Raises if `compile(jit_compile=False)` contradicts the strategy's `jit_compile=True` option."""
+    strategy = kc.model_strategy(model)
+    if not is_tfdist_strategy(strategy) or given is not False or not strategy.options.jit_compile:
+        return
+    raise ValueError(
+        "The strategy's jit_compile=True and compile(jit_compile=False) disagree; both say whether "
+        "the training step is compiled with XLA. Pass only one of them (or True to both). The model "
+        "was left as it was (not compiled)."
+    )
 
 
 def apply_sink_size(model) -> None:

@@ -274,7 +274,9 @@ def _pump(
                 continue
             continuing = False
             if _is_tf_noise(line, chief_done.is_set(), frozenset(finished_ok)):
-                continuing = _CPP_LOG.match(line) is not None and _SHUTDOWN_NOISE.search(line) is not None
+                # The lines that continue a dropped log message (a task's name on a line
+                # of its own, as in "Example stragglers:") go with it.
+                continuing = _CPP_LOG.match(line) is not None
                 continue
         task.tail.append(line)
         if not show_progress and (redrawn or _EPOCH_HEADER.match(_ANSI.sub("", line))):

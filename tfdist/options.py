@@ -17,6 +17,7 @@ Two kinds of option exist:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from typing import Any, Callable, Mapping, Optional
 
@@ -67,6 +68,9 @@ class Option:
         where = f"{source}: " if source else ""
         if value is None and self.default is None:
             return None
+        # A NumPy integer (`np.int64(4)`, a value computed with NumPy) is an int.
+        if int in self.types and isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+            value = int(value)
         # bool is an int subclass; an int option must not accept True/False.
         bad_bool = isinstance(value, bool) and bool not in self.types
         if bad_bool or not isinstance(value, self.types):

@@ -114,3 +114,19 @@ def test_each_replica_compiles_its_forward_and_backward_as_one_program(name, dig
     moving_mean = [v for v in model.variables if "moving_mean" in v.path][0]
     assert float(abs(moving_mean.numpy()).max()) > 0.0
     assert max_relative_difference(reference, model) < 1e-4
+
+
+def test_compile_jit_compile_false_against_the_strategys_jit_compile_is_an_error():
+    # Before: accepted silently; XLA ran (the option wins) while model.jit_compile read False.
+    strategy = make_strategy("mirrored", 2, jit_compile=True)
+    with strategy.scope():
+        with pytest.raises(ValueError) as info:
+            tiny_model(jit_compile=False)
+        assert str(info.value) == (
+            "The strategy's jit_compile=True and compile(jit_compile=False) disagree; both say whether "
+            "the training step is compiled with XLA. Pass only one of them (or True to both). The model "
+            "was left as it was (not compiled)."
+        )
+        # jit_compile=True or left to Keras's "auto" agree with the option.
+        assert tiny_model(jit_compile=True).compiled
+        assert tiny_model().compiled
