@@ -343,7 +343,8 @@ def compiled_model(keras, setting: Setting, s: dict, strategy=None):
             model.compile(
                 optimizer=keras.optimizers.Adam(1e-3),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                jit_compile=setting.xla if strategy is None else False,
+                # Under a strategy the `jit_compile` option decides (Keras's "auto" is off there).
+                jit_compile=setting.xla if strategy is None else "auto",
                 steps_per_execution=setting.sink if strategy is None else 1,
             )
         finally:

@@ -205,6 +205,27 @@ def test_strategies_of_different_sizes_in_one_process():
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
+def test_a_tf_keras_model_under_step_options_it_would_ignore_is_refused_at_creation(name):
+    # Before: precision="mixed_float16" left the layers in float32 and
+    # accumulation_steps=2 stepped every batch, silently.
+    tf_keras = pytest.importorskip("tf_keras")
+    strategy = strategy_for(name, 2, precision="mixed_bfloat16", accumulation_steps=2)
+    with strategy.scope():
+        with pytest.raises(NotImplementedError) as info:
+            tf_keras.Sequential([tf_keras.layers.Dense(4, input_shape=(8,))])
+        assert str(info.value) == (
+            f"tf-keras (Keras 2) models train under the {name!r} strategy as under tf.distribute's own, "
+            "without tfdist's step, so its step options accumulation_steps=2, precision='mixed_bfloat16' "
+            "would be ignored. Build the model with Keras 3 (`import keras`), or create the strategy "
+            "without those options."
+        )
+        assert build_model().compiled  # Keras 3 models train with them
+    # Options tf-keras honours (the input pipeline's) do not refuse it.
+    with strategy_for(name, 2, prefetch_depth=4).scope():
+        assert tf_keras.Sequential([tf_keras.layers.Dense(4, input_shape=(8,))]).built
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
 def test_tf_keras_fit_under_tfdist_strategies(name, data):
     tf_keras = pytest.importorskip("tf_keras")
     x, y = data

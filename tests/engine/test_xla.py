@@ -34,7 +34,7 @@ def test_jit_compile_runs_every_replica_step_under_xla(name, how, digits):
     reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
     strategy = make_strategy(name, replicas=2, jit_compile=how == "option")
     with strategy.scope():
-        model = tiny_model(sync_bn=True, jit_compile=how == "compile")
+        model = tiny_model(sync_bn=True, **({"jit_compile": True} if how == "compile" else {}))
     nodes = _fit_and_collect_executed_ops(model, x, y)
     xla_devices = {n.device.rsplit(":", 1)[-1] for n in nodes if n.op == "_XlaRun"}
     if how == "off":

@@ -1231,3 +1231,47 @@ def test_write_in_place_writes_exactly_its_range_without_reading_the_variable_wh
     if row is not None:
         assert {op.inputs[0].shape.num_elements() for op in graph.get_operations()
                 if op.type == "TensorStridedSliceUpdate"} <= {row}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_checkpoint_restored_between_compile_and_fit_restores_the_moments(stage, data10, tmp_path):
+    # The usual "restore, then train": before, the optimizer's slots were built
+    # at the first step, after the restore, and TensorFlow's deferred
+    # restoration never reached the sharded slices: Adam's moments were dropped
+    # silently (0.26 from uninterrupted training; assert_consumed failed).
+    x, y = data10
+    adam = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
+    uninterrupted = train(sharded(2, stage), adam, x[:64], y[:64], epochs=2)
+    first = train(sharded(2, stage), adam, x[:64], y[:64], epochs=1)
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(str(tmp_path / "ckpt"))
+    with sharded(2, stage).scope():
+        resumed = build_model(optimizer=adam())
+    assert resumed.optimizer.built  # at compile, so the restore finds the slices
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(path).assert_consumed()
+    resumed.fit(x[:64], y[:64], epochs=1, batch_size=32, shuffle=False, verbose=0)
+    assert max_relative_difference(uninterrupted.get_weights(), resumed.get_weights()) < 1e-5
+
+
+def test_recompiling_the_same_optimizer_after_trainable_changed_is_a_clear_error(data10):
+    # Before: "Dimensions must be equal, but are 192 and 234" (or an IndexError) at the next fit.
+    x, y = data10
+    strategy = sharded(2, 1)
+    with strategy.scope():
+        model = build_model(optimizer=keras.optimizers.Adam(1e-2, name="adam"))
+    model.fit(x[:32], y[:32], batch_size=16, verbose=0)
+    model.layers[0].trainable = False
+    before = [w.copy() for w in model.get_weights()]
+    with strategy.scope():
+        with pytest.raises(ValueError) as info:
+            model.compile(optimizer=model.optimizer, loss="sparse_categorical_crossentropy")
+    assert str(info.value) == (
+        "The optimizer 'adam' of this 'sharded_optimizer' model holds its state in slices laid out for the "
+        "4 variables it was built on; the model now trains 2 (a layer's `trainable` changed since). The "
+        "slices cannot be laid out again. Compile with a new optimizer, e.g. "
+        "model.compile(optimizer=keras.optimizers.Adam(...), ...), inside the strategy's scope. The weights "
+        "and the optimizer's state are unchanged."
+    )
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    with strategy.scope():
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+    model.fit(x[:32], y[:32], batch_size=16, verbose=0)

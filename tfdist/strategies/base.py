@@ -17,6 +17,9 @@ from tfdist.engine import loop
 from tfdist.engine import step as engine_step
 from tfdist.options import Option, TrainingOptions, split_options
 
+# Step options that only tfdist's step reads (tf-keras's `fit` never runs it).
+_IGNORED_BY_TF_KERAS = ("accumulation_steps", "precision", "jit_compile", "sink_size", "allreduce_dtype", "bucket_bytes")
+
 
 class TfdistStrategy:
     """Mixin marking a `tf.distribute.Strategy` as tfdist's.
@@ -91,6 +94,31 @@ class TfdistStrategy:
         self._tfdist_options = step
         self._tfdist_params = params
         return params
+
+    def _refuse_tf_keras_if_options_are_set(self) -> None:
+        """Refuses tf-keras models in this strategy's scope where a step option tf-keras would ignore is set.
+
+        tf-keras (Keras 2) drives `tf.distribute` itself: its `fit` trains as
+        under TensorFlow's own strategy, without tfdist's step, so these
+        options would silently do nothing (measured before: `precision` left
+        the layers in float32, `accumulation_steps=2` stepped every batch).
+        """
+        from tfdist._compat import tf as tfc
+        from tfdist.options import STEP_OPTIONS
+
+        ignored = [
+            name for name in _IGNORED_BY_TF_KERAS
+            if getattr(self.options, name) != STEP_OPTIONS[name].resolve_default()
+        ]
+        if not ignored:
+            return
+        shown = ", ".join(f"{name}={getattr(self.options, name)!r}" for name in ignored)
+        tfc.refuse_tf_keras_variables(
+            self,
+            f"tf-keras (Keras 2) models train under the {self.name!r} strategy as under tf.distribute's own, "
+            f"without tfdist's step, so its step options {shown} would be ignored. Build the model with "
+            "Keras 3 (`import keras`), or create the strategy without those options.",
+        )
 
     @property
     def options(self) -> TrainingOptions:

@@ -83,3 +83,4 @@ class CentralStorageStrategy(TfdistStrategy, tf.distribute.experimental.CentralS
         super().__init__(compute_devices=compute, parameter_device=param_dev)
         self.parameter_device = param_dev
         tfc.configure_variable_creation(self, on_read_devices=compute)
+        self._refuse_tf_keras_if_options_are_set()

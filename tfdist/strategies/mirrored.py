@@ -46,3 +46,4 @@ class MirroredStrategy(TfdistStrategy, tf.distribute.MirroredStrategy):
         tfc.isolate_collective_keys(self)
         super().__init__(devices=devs)
         tfc.configure_variable_creation(self)
+        self._refuse_tf_keras_if_options_are_set()

@@ -210,6 +210,7 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
             else None
         )
         run_creation_hooks("multi_worker", self)
+        self._refuse_tf_keras_if_options_are_set()
 
     @classmethod
     def demo_kwargs(cls):

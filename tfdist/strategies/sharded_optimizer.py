@@ -198,6 +198,17 @@ class _ShardedStrategyMixin:
             return
         if self.shards_optimizer_state and kc.sharded_state(model.optimizer) is None:
             self._shard(model.optimizer)
+        state = kc.sharded_state(model.optimizer) if self.shards_optimizer_state else None
+        if state is not None and state.variables and model.built:
+            _check_same_trainable_variables(model, state.variables)
+        if self.shards_optimizer_state and model.built and not model.optimizer.built and model.trainable_variables:
+            # Built now, not at the first step: a checkpoint restored between
+            # `compile` and `fit` (`tf.train.Checkpoint(model=..., optimizer=...)
+            # .restore(...)`) then finds the sharded slots to restore into.
+            # Built later, TensorFlow's deferred restoration of the optimizer's
+            # slot list never reached the sharded state's own: the moments were
+            # dropped silently (tests/strategies/test_sharded_optimizer.py).
+            model.optimizer.build(model.trainable_variables)
         if not getattr(model, "_tfdist_load_guarded", False):
             kc.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
             object.__setattr__(model, "_tfdist_load_guarded", True)
@@ -1313,6 +1324,20 @@ _SLOT_ATTRIBUTES = {
     "_average_gradients": "average_gradient",
     "_model_variables_moving_average": "average",
 }
+
+
+def _check_same_trainable_variables(model, sharded) -> None:
+    """Raises if `model` now trains other variables than its optimizer's state was sharded over."""
+    now = [id(kc.tf_variable(v)) for v in model.trainable_variables]
+    if now == [id(kc.tf_variable(v)) for v in sharded]:
+        return
+    raise ValueError(
+        f"The optimizer {model.optimizer.name!r} of this 'sharded_optimizer' model holds its state in "
+        f"slices laid out for the {len(sharded)} variables it was built on; the model now trains "
+        f"{len(now)} (a layer's `trainable` changed since). The slices cannot be laid out again. "
+        "Compile with a new optimizer, e.g. model.compile(optimizer=keras.optimizers.Adam(...), ...), "
+        "inside the strategy's scope. The weights and the optimizer's state are unchanged."
+    )
 
 
 def sharded_optimizer_path(step, data):
