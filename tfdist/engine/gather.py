@@ -187,15 +187,11 @@ def with_outside_reads(gradient, part_values: list) -> list:
     part_grads = list(part_grads)
     if outside is None:
         return part_grads
-    out = []
-    for own, extra in zip(part_grads, _per_part(outside, part_values)):
-        if own is None or extra is None:
-            out.append(extra if own is None else own)
-        elif isinstance(own, tf.IndexedSlices) or isinstance(extra, tf.IndexedSlices):
-            out.append(tf.convert_to_tensor(own) + tf.convert_to_tensor(extra))
-        else:
-            out.append(own + extra)
-    return out
+    # A sparse piece (rows gathered from the weight) is added densely.
+    return [
+        extra if own is None else own if extra is None else tf.convert_to_tensor(own) + tf.convert_to_tensor(extra)
+        for own, extra in zip(part_grads, _per_part(outside, part_values))
+    ]
 
 
 def _control_inputs(tensors) -> list:

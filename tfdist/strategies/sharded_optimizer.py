@@ -196,19 +196,20 @@ class _ShardedStrategyMixin:
         """
         if model.optimizer is None:
             return
-        if self.shards_optimizer_state and kc.sharded_state(model.optimizer) is None:
-            self._shard(model.optimizer)
-        state = kc.sharded_state(model.optimizer) if self.shards_optimizer_state else None
-        if state is not None and state.variables and model.built:
-            _check_same_trainable_variables(model, state.variables)
-        if self.shards_optimizer_state and model.built and not model.optimizer.built and model.trainable_variables:
-            # Built now, not at the first step: a checkpoint restored between
-            # `compile` and `fit` (`tf.train.Checkpoint(model=..., optimizer=...)
-            # .restore(...)`) then finds the sharded slots to restore into.
-            # Built later, TensorFlow's deferred restoration of the optimizer's
-            # slot list never reached the sharded state's own: the moments were
-            # dropped silently (tests/strategies/test_sharded_optimizer.py).
-            model.optimizer.build(model.trainable_variables)
+        if self.shards_optimizer_state:
+            if kc.sharded_state(model.optimizer) is None:
+                self._shard(model.optimizer)
+            built_on = kc.sharded_state(model.optimizer).variables
+            if model.built and built_on:
+                _check_same_trainable_variables(model, built_on)
+            elif model.built and not model.optimizer.built and model.trainable_variables:
+                # Built now, not at the first step: a checkpoint restored between
+                # `compile` and `fit` (`tf.train.Checkpoint(model=..., optimizer=...)
+                # .restore(...)`) then finds the sharded slots to restore into.
+                # Built later, TensorFlow's deferred restoration of the optimizer's
+                # slot list never reached the sharded state's own: the moments were
+                # dropped silently (tests/strategies/test_sharded_optimizer.py).
+                model.optimizer.build(model.trainable_variables)
         if not getattr(model, "_tfdist_load_guarded", False):
             kc.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
             object.__setattr__(model, "_tfdist_load_guarded", True)
