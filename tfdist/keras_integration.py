@@ -156,6 +156,71 @@ def _patched_predict_on_batch(original):
     return predict_on_batch
 
 
+def _patched_loss_scale_apply(original):
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        # Keras's LossScaleOptimizer.apply (3.5 to 3.15), called in a replica
+        # context of a strategy that merges (MirroredStrategy on CPUs,
+        # CentralStorageStrategy), checks finiteness and updates inside a
+        # `cond` in cross-replica context whose branch runs
+        # `call_for_each_replica`. In a custom training loop's compiled step
+        # that fails: under stock MirroredStrategy once the scale changes (an
+        # overflow, or growth after `dynamic_growth_steps`: "You must feed a
+        # value for placeholder tensor 'cond/else/_1/cond/Placeholder_1'"),
+        # under CentralStorageStrategy at the first step. Under a tfdist
+        # mirrored or central_storage strategy the replicas' gradients are
+        # summed first, and the loss-scale gate `fit` uses
+        # (`tfdist.engine.update.DynamicLossScale`) applies the inner
+        # optimizer to the sum in cross-replica context, or skips the update
+        # and halves the scale on every replica.
+        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        ctx = tf.distribute.get_replica_context()
+        if (
+            not is_tfdist_strategy(strategy)
+            or getattr(strategy, "name", None) not in ("mirrored", "central_storage")
+            or ctx is None
+            or tf.distribute.in_cross_replica_context()
+            or not self.built
+            or trainable_variables is None
+            or kc.keras_accumulation_steps(self) is not None
+        ):
+            return original(self, grads, trainable_variables)
+        ctx.merge_call(_apply_loss_scaled_sum, args=(self, list(grads), list(trainable_variables)))
+
+    return apply
+
+
+def _apply_loss_scaled_sum(strategy, optimizer, grads: list, variables: list) -> None:
+    """Cross-replica context: sums the replicas' `grads` and applies them under `optimizer`'s loss scale.
+
+    As Keras's `LossScaleOptimizer.apply` on one device: every gradient
+    finite, the inner optimizer applies the unscaled gradient (clipped by its
+    `clipnorm` / `clipvalue` / `global_clipnorm`) and the scale grows every
+    `dynamic_growth_steps` steps; otherwise the update is skipped and the scale
+    halved.
+    """
+    from tfdist.engine import update
+
+    present = [i for i, g in enumerate(grads) if g is not None]
+    summed = strategy.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.SUM, [(grads[i], kc.tf_variable(variables[i])) for i in present]
+    )
+    full: list = [None] * len(grads)
+    for i, value in zip(present, summed):
+        # One copy of the sum (every replica's is the same); the update writes it to every copy.
+        full[i] = strategy.experimental_local_results(value)[0]
+    inner = optimizer.inner_optimizer
+    scale = update.DynamicLossScale(optimizer)
+
+    def apply_unscaled(scaled: list) -> None:
+        unscaled = scale.update(scaled)
+        if kc.clips_like_keras(inner):
+            unscaled = kc.clip_gradients(inner, unscaled)
+        update.apply_update(inner, unscaled, variables, strategy.gradient_path.placement(strategy))
+
+    scale.gate(full, apply_unscaled)
+
+
 def _patched_symbolic_build(original):
     @functools.wraps(original)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -227,6 +292,7 @@ def install() -> None:
     kc.replace_method(trainer, "make_train_function", lambda original: _patched_make(original, "train"))
     kc.replace_method(trainer, "make_test_function", lambda original: _patched_make(original, "test"))
     kc.replace_method(trainer, "predict_on_batch", _patched_predict_on_batch)
+    kc.replace_method(keras.optimizers.LossScaleOptimizer, "apply", _patched_loss_scale_apply)
     # Checkpoint writes of tfdist models go to a temporary file renamed into place.
     checkpointing.install()
     if not _hooks_registered:
@@ -249,6 +315,7 @@ def uninstall() -> None:
     kc.restore_method(trainer, "make_train_function")
     kc.restore_method(trainer, "make_test_function")
     kc.restore_method(trainer, "predict_on_batch")
+    kc.restore_method(keras.optimizers.LossScaleOptimizer, "apply")
     kc.restore_symbolic_build()
     kc.restore_default_dtype_policy()
     checkpointing.uninstall()
