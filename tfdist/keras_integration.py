@@ -180,11 +180,19 @@ def _patched_loss_scale_apply(original):
             or getattr(strategy, "name", None) not in ("mirrored", "central_storage")
             or ctx is None
             or tf.distribute.in_cross_replica_context()
-            or not self.built
             or trainable_variables is None
             or kc.keras_accumulation_steps(self) is not None
         ):
             return original(self, grads, trainable_variables)
+        if not self.built:
+            # As Keras's apply builds (the replicas after the first find it
+            # built), but outside the traced step: state created while a
+            # tf.function traces makes its first call run under a `cond` on
+            # the state's initialisation, where MirroredStrategy's update
+            # fails with the same "You must feed a value for placeholder".
+            with tf.init_scope(), keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
         ctx.merge_call(_apply_loss_scaled_sum, args=(self, list(grads), list(trainable_variables)))
 
     return apply

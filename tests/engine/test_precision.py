@@ -75,10 +75,11 @@ def test_loss_scale_grows_after_dynamic_growth_steps_finite_steps(digits):
     assert int(np.asarray(model.optimizer.step_counter)) == 1
 
 
-def _custom_loop_with_loss_scaling(strategy, x, y, batch: int = 32):
+def _custom_loop_with_loss_scaling(strategy, x, y, built: bool, batch: int = 32):
     """A custom training loop with a LossScaleOptimizer, as Keras's mixed-precision guide writes one.
 
-    `strategy=None` runs it on one device. Returns the weights, the loss
+    `strategy=None` runs it on one device; `built=False` leaves the optimizer
+    to build at its first `apply`, inside the compiled step. Returns the weights, the loss
     scale after each step (every copy of it), and the optimizer's iterations.
     """
     import contextlib
@@ -93,7 +94,8 @@ def _custom_loop_with_loss_scaling(strategy, x, y, batch: int = 32):
         optimizer = keras.optimizers.LossScaleOptimizer(
             keras.optimizers.Adam(0.01), initial_scale=1024.0, dynamic_growth_steps=2
         )
-        optimizer.build(model.trainable_variables)
+        if built:
+            optimizer.build(model.trainable_variables)
 
     def step(xb, yb):
         with tf.GradientTape() as tape:
@@ -117,8 +119,9 @@ def _custom_loop_with_loss_scaling(strategy, x, y, batch: int = 32):
     return model.get_weights(), scales, int(np.asarray(optimizer.iterations))
 
 
+@pytest.mark.parametrize("built", [True, False], ids=["built", "built_in_step"])
 @pytest.mark.parametrize("name", ["mirrored", "central_storage"])
-def test_custom_loop_with_a_loss_scale_optimizer_trains_as_on_one_device(name):
+def test_custom_loop_with_a_loss_scale_optimizer_trains_as_on_one_device(name, built):
     # Keras's LossScaleOptimizer.apply gates the update with a cond whose branch
     # runs call_for_each_replica: in a compiled custom loop under MirroredStrategy
     # that failed once the scale changed ("You must feed a value for placeholder
@@ -129,12 +132,12 @@ def test_custom_loop_with_a_loss_scale_optimizer_trains_as_on_one_device(name):
     x = np.random.RandomState(1).randn(128, 8).astype("float32")
     y = x[:, :1] * 2.0
     x[72] = 1e20
-    expected, one_device_scales, iterations = _custom_loop_with_loss_scaling(None, x, y)
+    expected, one_device_scales, iterations = _custom_loop_with_loss_scaling(None, x, y, built)
     # Grown after 2 finite steps, halved at the overflow, on one device:
     assert [s[0] for s in one_device_scales] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0, 1024.0, 1024.0]
     assert iterations == 6  # two of the 8 steps skipped
 
-    weights, scales, got_iterations = _custom_loop_with_loss_scaling(make_strategy(name, replicas=2), x, y)
+    weights, scales, got_iterations = _custom_loop_with_loss_scaling(make_strategy(name, replicas=2), x, y, built)
     assert scales == one_device_scales  # every copy of the scale, after every step
     assert got_iterations == iterations
     for got, want in zip(weights, expected):
