@@ -156,79 +156,6 @@ def _patched_predict_on_batch(original):
     return predict_on_batch
 
 
-def _patched_loss_scale_apply(original):
-    @functools.wraps(original)
-    def apply(self, grads, trainable_variables=None):
-        # Keras's LossScaleOptimizer.apply (3.5 to 3.15), called in a replica
-        # context of a strategy that merges (MirroredStrategy on CPUs,
-        # CentralStorageStrategy), checks finiteness and updates inside a
-        # `cond` in cross-replica context whose branch runs
-        # `call_for_each_replica`. In a custom training loop's compiled step
-        # that fails: under stock MirroredStrategy once the scale changes (an
-        # overflow, or growth after `dynamic_growth_steps`: "You must feed a
-        # value for placeholder tensor 'cond/else/_1/cond/Placeholder_1'"),
-        # under CentralStorageStrategy at the first step. Under a tfdist
-        # mirrored or central_storage strategy the replicas' gradients are
-        # summed first, and the loss-scale gate `fit` uses
-        # (`tfdist.engine.update.DynamicLossScale`) applies the inner
-        # optimizer to the sum in cross-replica context, or skips the update
-        # and halves the scale on every replica.
-        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-        ctx = tf.distribute.get_replica_context()
-        if (
-            not is_tfdist_strategy(strategy)
-            or getattr(strategy, "name", None) not in ("mirrored", "central_storage")
-            or ctx is None
-            or tf.distribute.in_cross_replica_context()
-            or trainable_variables is None
-            or kc.keras_accumulation_steps(self) is not None
-        ):
-            return original(self, grads, trainable_variables)
-        if not self.built:
-            # As Keras's apply builds (the replicas after the first find it
-            # built), but outside the traced step: state created while a
-            # tf.function traces makes its first call run under a `cond` on
-            # the state's initialisation, where MirroredStrategy's update
-            # fails with the same "You must feed a value for placeholder".
-            with tf.init_scope(), keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
-            self.built = True
-        ctx.merge_call(_apply_loss_scaled_sum, args=(self, list(grads), list(trainable_variables)))
-
-    return apply
-
-
-def _apply_loss_scaled_sum(strategy, optimizer, grads: list, variables: list) -> None:
-    """Cross-replica context: sums the replicas' `grads` and applies them under `optimizer`'s loss scale.
-
-    As Keras's `LossScaleOptimizer.apply` on one device: every gradient
-    finite, the inner optimizer applies the unscaled gradient (clipped by its
-    `clipnorm` / `clipvalue` / `global_clipnorm`) and the scale grows every
-    `dynamic_growth_steps` steps; otherwise the update is skipped and the scale
-    halved.
-    """
-    from tfdist.engine import update
-
-    present = [i for i, g in enumerate(grads) if g is not None]
-    summed = strategy.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.SUM, [(grads[i], kc.tf_variable(variables[i])) for i in present]
-    )
-    full: list = [None] * len(grads)
-    for i, value in zip(present, summed):
-        # One copy of the sum (every replica's is the same); the update writes it to every copy.
-        full[i] = strategy.experimental_local_results(value)[0]
-    inner = optimizer.inner_optimizer
-    scale = update.DynamicLossScale(optimizer)
-
-    def apply_unscaled(scaled: list) -> None:
-        unscaled = scale.update(scaled)
-        if kc.clips_like_keras(inner):
-            unscaled = kc.clip_gradients(inner, unscaled)
-        update.apply_update(inner, unscaled, variables, strategy.gradient_path.placement(strategy))
-
-    scale.gate(full, apply_unscaled)
-
-
 def _patched_symbolic_build(original):
     @functools.wraps(original)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -300,6 +227,8 @@ def install() -> None:
     kc.replace_method(trainer, "make_train_function", lambda original: _patched_make(original, "train"))
     kc.replace_method(trainer, "make_test_function", lambda original: _patched_make(original, "test"))
     kc.replace_method(trainer, "predict_on_batch", _patched_predict_on_batch)
+    # optimizer.apply in custom training loops (and over variables held in shards).
+    kc.replace_method(kc.base_optimizer_class(), "apply", _patched_optimizer_apply)
     kc.replace_method(keras.optimizers.LossScaleOptimizer, "apply", _patched_loss_scale_apply)
     # Checkpoint writes of tfdist models go to a temporary file renamed into place.
     checkpointing.install()
@@ -323,6 +252,7 @@ def uninstall() -> None:
     kc.restore_method(trainer, "make_train_function")
     kc.restore_method(trainer, "make_test_function")
     kc.restore_method(trainer, "predict_on_batch")
+    kc.restore_method(kc.base_optimizer_class(), "apply")
     kc.restore_method(keras.optimizers.LossScaleOptimizer, "apply")
     kc.restore_symbolic_build()
     kc.restore_default_dtype_policy()
@@ -620,8 +550,77 @@ def _patched_tape_gradient(original):
     return gradient
 
 
+# ---------------------------------------------------------------------------
+# optimizer.apply in a custom training loop
+# ---------------------------------------------------------------------------
+
+# The in-process strategies whose custom loops sum the replicas' gradients
+# before the update (`_apply_summed`; the sharded optimizer's own optimizer
+# class applies through its sharded state instead); elsewhere Keras's own
+# `apply` runs.
+_SUMMING_STRATEGIES = ("mirrored", "central_storage", "sharded_optimizer")
+
+
+def _summing_replica_context():
+    """The replica context of a custom loop under a mirrored, central_storage or sharded_optimizer strategy."""
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return None
+    strategy = tf.distribute.get_strategy()
+    if not is_tfdist_strategy(strategy) or getattr(strategy, "name", None) not in _SUMMING_STRATEGIES:
+        return None
+    return tf.distribute.get_replica_context()
+
+
+def _build_outside_the_trace(optimizer, variables: list) -> None:
+    """Builds `optimizer` as Keras's `apply` does, but outside the traced step.
+
+    State created while a `tf.function` traces makes its first call run under
+    a `cond` on the state's initialisation, where MirroredStrategy's update
+    fails: "You must feed a value for placeholder tensor 'cond/else/_1/cond/
+    Placeholder'" (stock `tf.distribute` too). The replicas after the first
+    find it built.
+    """
+    if not optimizer.built:
+        with tf.init_scope(), kc.optimizer_name_scope(optimizer):
+            optimizer.build(variables)
+        optimizer.built = True
+
+
+def _sum_over_replicas(strategy, grads: list, variables: list) -> list:
+    """Cross-replica context: one copy of each gradient's sum over the replicas (None stays None).
+
+    Sparse gradients are summed as `fit` sums them: rows that follow the data
+    (token ids) are concatenated, and rows that are the same on every replica
+    (a position embedding, `tfdist.collectives.rows_shared_by_replicas`) are
+    added, as one device holds each such row once.
+    """
+    from tfdist import collectives
+
+    out: list = [None] * len(grads)
+    reduced = []
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        local = strategy.experimental_local_results(g)
+        if isinstance(local[0], tf.IndexedSlices) and collectives.rows_shared_by_replicas(local[0]):
+            with tf.device(local[0].values.device):
+                values = tf.add_n([part.values for part in local])
+            out[i] = tf.IndexedSlices(values, local[0].indices, local[0].dense_shape)
+        else:
+            reduced.append(i)
+    summed = strategy.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.SUM, [(grads[i], kc.tf_variable(variables[i])) for i in reduced]
+    )
+    for i, value in zip(reduced, summed):
+        # Every replica's sum is the same; the update writes it to every copy.
+        out[i] = strategy.experimental_local_results(value)[0]
+    return out
+
+
 def _patched_optimizer_apply(original):
-    # An `apply` whose variables hold no shards runs Keras's own, unchanged.
+    # Keras's own `apply` runs unless the variables hold shards (a
+    # variable_partitioner) or the call is a replica's in a custom loop under
+    # a tfdist mirrored, central_storage or sharded_optimizer strategy.
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is not None:
@@ -629,11 +628,93 @@ def _patched_optimizer_apply(original):
         known = trainable_variables if trainable_variables is not None else (
             kc.optimizer_trainable_variables(self) if self.built else []
         )
-        if not any(kc.holds_shards(v) for v in known):
+        if any(kc.holds_shards(v) for v in known):
+            return _apply_to_shards(self, list(grads), trainable_variables)
+        ctx = _summing_replica_context()
+        grads = list(grads)
+        if ctx is None or trainable_variables is None or not grads or getattr(self, "gradient_accumulation_steps", None):
             return original(self, grads, trainable_variables)
-        return _apply_to_shards(self, list(grads), trainable_variables)
+        # Keras's apply in a replica reduces each replica's gradients with its
+        # own all-reduce, then clips and updates: a first call that builds the
+        # optimizer fails inside the traced step (see _build_outside_the_trace),
+        # `clipnorm`/`global_clipnorm` clip each replica's share instead of the
+        # sum (SGD(global_clipnorm=0.5): 0.08 from one device), and a sparse
+        # gradient's rows shared by replicas are not summed (a position
+        # embedding under Adam: 0.12 from one device). Stock tf.distribute does
+        # the same. Here the sum is clipped and applied once, as on one device.
+        _build_outside_the_trace(self, trainable_variables)
+        kc.optimizer_known_variables_check(self, trainable_variables)
+        ctx.merge_call(_apply_summed, args=(self, grads, trainable_variables))
 
     return apply
+
+
+def _apply_summed(strategy, optimizer, grads: list, variables: list) -> None:
+    """Cross-replica context: Keras's `apply` on the replicas' summed gradients, once."""
+    from tfdist.engine import update
+
+    summed = _sum_over_replicas(strategy, grads, variables)
+    scale = getattr(optimizer, "loss_scale_factor", None)
+    if scale is not None:
+        summed = [g if g is None else g / scale for g in summed]
+    update.apply_update(
+        optimizer, kc.clip_gradients(optimizer, summed), variables, strategy.gradient_path.placement(strategy)
+    )
+
+
+def _patched_loss_scale_apply(original):
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        # Keras's LossScaleOptimizer.apply (3.5 to 3.15), called in a replica
+        # context of a strategy that merges (MirroredStrategy on CPUs,
+        # CentralStorageStrategy), checks finiteness and updates inside a
+        # `cond` in cross-replica context whose branch runs
+        # `call_for_each_replica`. In a custom training loop's compiled step
+        # that fails: under stock MirroredStrategy once the scale changes (an
+        # overflow, or growth after `dynamic_growth_steps`: "You must feed a
+        # value for placeholder tensor 'cond/else/_1/cond/Placeholder_1'"),
+        # under CentralStorageStrategy at the first step. Under a tfdist
+        # mirrored or central_storage strategy the replicas' gradients are
+        # summed first, and the loss-scale gate `fit` uses
+        # (`tfdist.engine.update.DynamicLossScale`) applies the inner
+        # optimizer to the sum in cross-replica context, or skips the update
+        # and halves the scale on every replica.
+        ctx = _summing_replica_context()
+        if (
+            ctx is None
+            or trainable_variables is None
+            or kc.keras_accumulation_steps(self) is not None
+            or not kc.clips_like_keras(self.inner_optimizer)  # a sharded optimizer's own path
+        ):
+            return original(self, grads, trainable_variables)
+        trainable_variables = list(trainable_variables)
+        _build_outside_the_trace(self, trainable_variables)
+        ctx.merge_call(_apply_loss_scaled_sum, args=(self, list(grads), trainable_variables))
+
+    return apply
+
+
+def _apply_loss_scaled_sum(strategy, optimizer, grads: list, variables: list) -> None:
+    """Cross-replica context: sums the replicas' `grads` and applies them under `optimizer`'s loss scale.
+
+    As Keras's `LossScaleOptimizer.apply` on one device: every gradient
+    finite, the inner optimizer applies the unscaled gradient (clipped by its
+    `clipnorm` / `clipvalue` / `global_clipnorm`) and the scale grows every
+    `dynamic_growth_steps` steps; otherwise the update is skipped and the scale
+    halved.
+    """
+    from tfdist.engine import update
+
+    inner = optimizer.inner_optimizer
+    scale = update.DynamicLossScale(optimizer)
+
+    def apply_unscaled(scaled: list) -> None:
+        unscaled = scale.update(scaled)
+        if kc.clips_like_keras(inner):
+            unscaled = kc.clip_gradients(inner, unscaled)
+        update.apply_update(inner, unscaled, variables, strategy.gradient_path.placement(strategy))
+
+    scale.gate(_sum_over_replicas(strategy, grads, variables), apply_unscaled)
 
 
 def _apply_to_shards(optimizer, grads: list, trainable_variables) -> None:
@@ -709,7 +790,10 @@ def patch_training_of_sharded_variables() -> None:
     a reference." TensorFlow's parameter_server_training tutorial (custom
     training loop with a `variable_partitioner`) fails on both.
 
-    Two patches (idempotent; undone by `uninstall_parameter_server_fit`):
+    Two patches: the first here (idempotent; undone by
+    `uninstall_parameter_server_fit`), the second installed with the other
+    Keras hooks (`install`), as it also serves custom loops under mirrored and
+    central_storage (`_patched_optimizer_apply`):
 
     * `tf.GradientTape.gradient`: a source that holds shards is replaced by its
       shards (`variable_parts`), and their gradients are regrouped into one
@@ -728,10 +812,8 @@ def patch_training_of_sharded_variables() -> None:
     if kc.replaced(tf.GradientTape, "gradient"):
         return
     kc.replace_method(tf.GradientTape, "gradient", _patched_tape_gradient)
-    kc.replace_method(kc.base_optimizer_class(), "apply", _patched_optimizer_apply)
 
 
 def unpatch_training_of_sharded_variables() -> None:
-    """Restores TensorFlow's `GradientTape.gradient` and Keras's `BaseOptimizer.apply`."""
+    """Restores TensorFlow's `GradientTape.gradient` (`uninstall` restores `BaseOptimizer.apply`)."""
     kc.restore_method(tf.GradientTape, "gradient")
-    kc.restore_method(kc.base_optimizer_class(), "apply")
