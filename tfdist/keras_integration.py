@@ -608,9 +608,8 @@ def _sum_over_replicas(strategy, grads: list, variables: list) -> list:
             out[i] = tf.IndexedSlices(values, local[0].indices, local[0].dense_shape)
         else:
             reduced.append(i)
-    summed = strategy.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.SUM, [(grads[i], kc.tf_variable(variables[i])) for i in reduced]
-    )
+    # Reduced to the replicas' own devices (the update copies one sum to each variable).
+    summed = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(grads[i], grads[i]) for i in reduced])
     for i, value in zip(reduced, summed):
         # Every replica's sum is the same; the update writes it to every copy.
         out[i] = strategy.experimental_local_results(value)[0]
@@ -644,14 +643,30 @@ def _patched_optimizer_apply(original):
         # the same. Here the sum is clipped and applied once, as on one device.
         _build_outside_the_trace(self, trainable_variables)
         kc.optimizer_known_variables_check(self, trainable_variables)
-        ctx.merge_call(_apply_summed, args=(self, grads, trainable_variables))
+        ctx.merge_call(functools.partial(_apply_summed, original=original), args=(self, grads, trainable_variables))
 
     return apply
 
 
-def _apply_summed(strategy, optimizer, grads: list, variables: list) -> None:
+def _own_optimizer_per_replica(strategy, optimizer, grads, variables, original) -> bool:
+    """Runs Keras's `apply` in each replica when each replica made its own optimizer object.
+
+    An Estimator `model_fn` builds its model and optimizer once per replica:
+    `merge_call` then hands over one optimizer per replica, which share no
+    update to apply once.
+    """
+    if not isinstance(optimizer, tf.distribute.DistributedValues):
+        return False
+    strategy.extended.call_for_each_replica(original, args=(optimizer, grads, variables))
+    return True
+
+
+def _apply_summed(strategy, optimizer, grads: list, variables: list, original) -> None:
     """Cross-replica context: Keras's `apply` on the replicas' summed gradients, once."""
     from tfdist.engine import update
+
+    if _own_optimizer_per_replica(strategy, optimizer, grads, variables, original):
+        return
 
     summed = _sum_over_replicas(strategy, grads, variables)
     scale = getattr(optimizer, "loss_scale_factor", None)
@@ -689,12 +704,14 @@ def _patched_loss_scale_apply(original):
             return original(self, grads, trainable_variables)
         trainable_variables = list(trainable_variables)
         _build_outside_the_trace(self, trainable_variables)
-        ctx.merge_call(_apply_loss_scaled_sum, args=(self, list(grads), trainable_variables))
+        ctx.merge_call(
+            functools.partial(_apply_loss_scaled_sum, original=original), args=(self, list(grads), trainable_variables)
+        )
 
     return apply
 
 
-def _apply_loss_scaled_sum(strategy, optimizer, grads: list, variables: list) -> None:
+def _apply_loss_scaled_sum(strategy, optimizer, grads: list, variables: list, original) -> None:
     """Cross-replica context: sums the replicas' `grads` and applies them under `optimizer`'s loss scale.
 
     As Keras's `LossScaleOptimizer.apply` on one device: every gradient
@@ -705,6 +722,8 @@ def _apply_loss_scaled_sum(strategy, optimizer, grads: list, variables: list) ->
     """
     from tfdist.engine import update
 
+    if _own_optimizer_per_replica(strategy, optimizer, grads, variables, original):
+        return
     inner = optimizer.inner_optimizer
     scale = update.DynamicLossScale(optimizer)
 
