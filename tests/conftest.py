@@ -63,6 +63,12 @@ def build_model(kind: str = "sequential", seed: int = 0, optimizer=None, metrics
         skip = keras.layers.Dense(32)(inputs)
         outputs = keras.layers.Dense(10)(keras.layers.Add()([h, skip]))
         model = keras.Model(inputs, outputs)
+    elif kind == "batchnorm":
+        # Non-synchronized BatchNorm: each replica normalises its own share.
+        model = keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(32, use_bias=False),
+             keras.layers.BatchNormalization(momentum=0.5), keras.layers.ReLU(), keras.layers.Dense(10)]
+        )
     elif kind == "subclassed":
         model = Classifier()
         model(np.zeros((1, 64), np.float32))

@@ -47,6 +47,18 @@ def build(seed: int = 0, **compile_kwargs):
     return model
 
 
+def build_batchnorm(seed: int = 0):
+    """tests/conftest.py's build_model("batchnorm", metrics=()): non-synchronized BatchNorm."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(32, use_bias=False),
+         keras.layers.BatchNormalization(momentum=0.5), keras.layers.ReLU(), keras.layers.Dense(10)]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def build_tf_keras(seed: int = 0):
     import tf_keras
 
@@ -100,6 +112,7 @@ def main() -> None:
     p.add_argument("--writers", help="directory for TensorBoard logs and checkpoints")
     p.add_argument("--tf-data", action="store_true", help="also train a second model on a tf.data dataset")
     p.add_argument("--tf-keras", action="store_true", help="also train a tf-keras model")
+    p.add_argument("--batchnorm", action="store_true", help="also train a model with BatchNorm (not synchronized)")
     args = p.parse_args()
 
     strategy = tfdist.get_strategy("multi_worker", collective_timeout=120.0)
@@ -141,6 +154,12 @@ def main() -> None:
         result["sink_history"] = data_model.fit(ds, epochs=1, verbose=0).history
         result["sink_collectives"] = collective_ops_in(data_model.train_function.traced_graphs[-1])
         weights.update({f"tfdata_{i}": w for i, w in enumerate(data_model.get_weights())})
+
+    if args.batchnorm:
+        with strategy.scope():
+            bn_model = build_batchnorm()
+        bn_model.fit(x[:192], y[:192], batch_size=64, epochs=1, shuffle=False, verbose=0)
+        weights.update({f"batchnorm_{i}": w for i, w in enumerate(bn_model.get_weights())})
 
     if args.tf_keras:
         with strategy.scope():

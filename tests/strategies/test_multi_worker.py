@@ -84,7 +84,7 @@ def mirrored_reference(x, y, epochs, tf_data=False, validation_data=None):
 def two_worker_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("multi_worker")
     writers = out / "writers"
-    status = run(out, "--epochs", "2", "--writers", str(writers), "--tf-data", "--tf-keras")
+    status = run(out, "--epochs", "2", "--writers", str(writers), "--tf-data", "--tf-keras", "--batchnorm")
     return status, out, writers
 
 
@@ -125,6 +125,26 @@ def test_two_workers_train_to_identical_weights_matching_mirrored(two_worker_job
     assert chief["evaluate"]["accuracy"] == pytest.approx(ref_eval["accuracy"], abs=1e-7)
     assert chief["evaluate"]["loss"] == pytest.approx(ref_eval["loss"], rel=1e-5)
     np.testing.assert_allclose(chief["predict"], reference.predict(x[:101], verbose=0), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_batchnorm_moving_statistics_are_averaged_over_workers_as_under_mirrored(two_worker_job, digits):
+    # Keras 3 creates BatchNorm's moving mean and variance with aggregation
+    # "none": each worker kept the statistics of its own half of every batch,
+    # and the chief saved its own (moving_mean[2]: -0.405 on worker 0, -0.386
+    # on worker 1; averaged, as mirrored's 2 replicas: -0.395).
+    status, out, _ = two_worker_job
+    assert status == 0
+    chief_w, other_w = results(out, "worker0")[1], results(out, "worker1")[1]
+    chief = [chief_w[f"batchnorm_{i}"] for i in range(7)]
+    for ours, theirs in zip(chief, [other_w[f"batchnorm_{i}"] for i in range(7)]):
+        np.testing.assert_array_equal(ours, theirs)
+    x, y = digits[0][:192], digits[1][:192]
+    with tfdist.get_strategy("mirrored", devices=DEVICES[2]).scope():
+        reference = build_model("batchnorm", metrics=())
+    reference.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert max_relative_difference(reference.get_weights(), chief) < PARITY_RTOL
 
 
 @pytest.mark.cluster

@@ -20,9 +20,10 @@ def configure_variable_creation(strategy, on_read_devices=None) -> None:
 
     1. Layer state is not kept in sync (no upstream fix as of Keras 3.15): Keras
        3 creates non-trainable layer state such as BatchNormalization's moving
-       mean and variance with `aggregation="none"`. Under MirroredStrategy each
-       replica then keeps its own moving averages of its own share of the
-       batch, so the copies drift apart and a checkpoint holds replica 0's;
+       mean and variance with `aggregation="none"`. Under MirroredStrategy (and
+       MultiWorkerMirroredStrategy, across workers) each replica then keeps its
+       own moving averages of its own share of the batch, so the copies drift
+       apart and a checkpoint holds replica 0's (the chief's);
        under CentralStorageStrategy the update fails outright ("You must
        specify an aggregation method to update a AggregatingVariable in
        Replica Context"). tf-keras created such state with MEAN aggregation;

@@ -202,6 +202,10 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
         else:
             with self._local_devices(cpu_replicas):
                 super().__init__(cluster_resolver=resolver, communication_options=comm)
+        # Non-trainable float state (BatchNorm's moving statistics) averaged over
+        # every replica of every worker, as under mirrored: each worker would
+        # otherwise keep the statistics of its own share, and the chief save those.
+        tfc.configure_variable_creation(self)
         # Several CPU replicas on each of several workers: sum within the worker, then across
         # (docs/multi_worker.md, "Several devices per worker"). None: TensorFlow's one ring.
         self.hierarchical_exchange = (
