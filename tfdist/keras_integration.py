@@ -451,16 +451,27 @@ def redirect_non_chief_writes_in_fit() -> None:
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
         strategy = kc.model_strategy(self)
-        if not (is_tfdist_strategy(strategy) and strategy.redirects_non_chief_writes) or strategy.is_chief:
+        if not (is_tfdist_strategy(strategy) and strategy.redirects_non_chief_writes):
             return original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        callbacks = bound.arguments.get("callbacks")
-        if isinstance(callbacks, (list, tuple)):
-            bound.arguments["callbacks"] = [_redirected_callback(c, strategy) for c in callbacks]
         try:
-            return original(*bound.args, **bound.kwargs)
-        finally:
-            strategy.remove_write_dir(strategy.write_dir("x"))
+            if strategy.is_chief:
+                return original(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            callbacks = bound.arguments.get("callbacks")
+            if isinstance(callbacks, (list, tuple)):
+                bound.arguments["callbacks"] = [_redirected_callback(c, strategy) for c in callbacks]
+            try:
+                return original(*bound.args, **bound.kwargs)
+            finally:
+                strategy.remove_write_dir(strategy.write_dir("x"))
+        except (tf.errors.InternalError, tf.errors.InvalidArgumentError) as error:
+            # Workers that ran different collectives (inputs of different lengths,
+            # different options) get TensorFlow's error about instance keys and
+            # data types; the strategy names the cause and the fix.
+            better = strategy.explain_collective_error(error)
+            if better is None:
+                raise
+            raise better from error
 
     fit._tfdist_redirects_writes = True
     _fit_hook["fit"] = original

@@ -252,3 +252,52 @@ def test_a_collective_timeout_is_explained_naming_the_option_and_the_tasks(monke
     )
     other = tf.errors.UnavailableError(None, None, "The following tasks are unhealthy")
     assert strategy.explain_collective_error(other) is None
+
+
+@pytest.mark.cluster
+def test_workers_with_different_numbers_of_batches_are_told_the_cause():
+    # Worker 1's input ends after 3 batches while worker 0's goes on: its "has another
+    # batch" agreement (int64) meets worker 0's gradient all-reduce (float32) under one
+    # collective instance, and TensorFlow says only "Collective instance N expected type 0
+    # and data_type 9 but got type 0 and data_type 1".
+    w0, w1 = start_job("uneven", "default")
+    try:
+        _, err1 = w1.communicate(timeout=120)
+        _, err0 = w0.communicate(timeout=60)
+    finally:
+        stop(w0, w1)
+    assert (w0.returncode, w1.returncode) == (1, 1)
+    err = err0 + err1
+    assert "errors_impl.InternalError: " + WORKERS_DISAGREE in err
+    assert "expected type 0 and data_type 9 but got type 0 and data_type 1" in err
+
+
+WORKERS_DISAGREE = (
+    "The workers of the job reached different collectives at the same point of training: most often "
+    "their inputs hold different numbers of batches (one worker's input ended while another's went on), "
+    "else the workers run different models or step options (bucket_bytes, precision, accumulation_steps, "
+    "sink_size must be the same on every worker). Give every worker the same number of batches: let "
+    "tf.data shard one dataset (auto_shard 'auto' or 'data'), or repeat() it and pass steps_per_epoch; "
+    "and run the same script with the same options everywhere. TensorFlow aborted this process's "
+    "collectives: restart the job.\n"
+)
+
+
+def test_collectives_that_differ_between_workers_are_explained(monkeypatch):
+    import tensorflow as tf
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = tfdist.get_strategy("multi_worker")
+    types = "Collective instance 114 expected type 0 and data_type 9 but got type 0 and data_type 1"
+    shapes = "Shape mismatch in the collective instance 119. Op at device ... expected shape [13]"
+    # One worker: there is no other worker to disagree with.
+    assert strategy.explain_collective_error(tf.errors.InternalError(None, None, types)) is None
+    # A strategy of a 2-worker cluster would start a server in this process.
+    strategy.cluster_config = tfdist.cluster.ClusterConfig.create(
+        {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "worker", 0
+    )
+    for error_type, text in ((tf.errors.InternalError, types), (tf.errors.InvalidArgumentError, shapes)):
+        explained = strategy.explain_collective_error(error_type(None, None, text))
+        assert type(explained) is error_type
+        assert explained.message == WORKERS_DISAGREE + "TensorFlow's error: " + text
+    assert strategy.explain_collective_error(tf.errors.InternalError(None, None, "Missing 1-th output")) is None

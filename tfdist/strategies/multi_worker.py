@@ -62,6 +62,21 @@ _SHARD_POLICIES = {
 }
 
 
+def _workers_disagree(error: Exception) -> bool:
+    """Whether TensorFlow's `error` says two workers ran different collectives under one instance key.
+
+    TensorFlow 2.21's messages: "Collective instance N expected type T and
+    data_type D but got type T and data_type D2" (an all-reduce of float
+    gradients met the int64 "has another batch" agreement of a worker whose
+    input ended), and "Shape mismatch in the collective instance N" (buckets
+    of different sizes).
+    """
+    text = str(error)
+    return (
+        isinstance(error, tf.errors.InternalError) and "Collective instance" in text and "data_type" in text
+    ) or (isinstance(error, tf.errors.InvalidArgumentError) and "Shape mismatch in the collective instance" in text)
+
+
 class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirroredStrategy):
     """Replicates the model on every device of every worker and all-reduces gradients.
 
@@ -269,6 +284,20 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
         error returned (of the same type) names the option, its value, the
         job's tasks and what to do.
         """
+        if self.num_workers > 1 and _workers_disagree(error):
+            return type(error)(
+                getattr(error, "node_def", None),
+                getattr(error, "op", None),
+                "The workers of the job reached different collectives at the same point of training: "
+                "most often their inputs hold different numbers of batches (one worker's input ended "
+                "while another's went on), else the workers run different models or step options "
+                "(bucket_bytes, precision, accumulation_steps, sink_size must be the same on every "
+                "worker). Give every worker the same number of batches: let tf.data shard one dataset "
+                "(auto_shard 'auto' or 'data'), or repeat() it and pass steps_per_epoch; and run the same "
+                "script with the same options everywhere. TensorFlow aborted this process's "
+                "collectives: restart the job.\n"
+                f"TensorFlow's error: {error}",
+            )
         if not isinstance(error, tf.errors.DeadlineExceededError) or "Collective has timed out" not in str(error):
             return None
         config = self.cluster_config
