@@ -565,15 +565,14 @@ def _patched_tape_gradient(original):
 # optimizer.apply in a custom training loop
 # ---------------------------------------------------------------------------
 
-# The in-process strategies whose custom loops sum the replicas' gradients
-# before the update (`_apply_summed`; the sharded optimizer's own optimizer
-# class applies through its sharded state instead); elsewhere Keras's own
-# `apply` runs.
-_SUMMING_STRATEGIES = ("mirrored", "central_storage", "sharded_optimizer")
+# The strategies whose custom loops sum the replicas' gradients before the
+# update (`_apply_summed`; the sharded optimizer's own optimizer class applies
+# through its sharded state instead); elsewhere Keras's own `apply` runs.
+_SUMMING_STRATEGIES = ("mirrored", "central_storage", "sharded_optimizer", "multi_worker")
 
 
 def _summing_replica_context():
-    """The replica context of a custom loop under a mirrored, central_storage or sharded_optimizer strategy."""
+    """The replica context of a custom loop under a strategy of `_SUMMING_STRATEGIES`, else None."""
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return None
     strategy = tf.distribute.get_strategy()
@@ -597,40 +596,53 @@ def _build_outside_the_trace(optimizer, variables: list) -> None:
         optimizer.built = True
 
 
-def _sum_over_replicas(strategy, grads: list, variables: list) -> list:
-    """Cross-replica context: one copy of each gradient's sum over the replicas (None stays None).
+def _merge_summed(ctx, merge_fn, optimizer, grads: list, variables: list, original) -> None:
+    """Replica context: hands the replicas' gradients to `merge_fn` in cross-replica context.
 
-    Sparse gradients are summed as `fit` sums them: rows that follow the data
-    (token ids) are concatenated, and rows that are the same on every replica
-    (a position embedding, `tfdist.collectives.rows_shared_by_replicas`) are
-    added, as one device holds each such row once.
+    Sparse gradients whose rows are the same on every replica (a position
+    embedding, `tfdist.collectives.rows_shared_by_replicas`) travel as their
+    values, to be added like a dense gradient, as `fit` adds them: one device
+    holds each such row once. Rows that follow the data (token ids) are
+    concatenated. `merge_fn(strategy, optimizer, sent, variables, rows,
+    original=, shared=)` gets the values and each shared gradient's
+    `(indices, dense_shape)` in `rows`.
     """
     from tfdist import collectives
 
-    out: list = [None] * len(grads)
-    reduced = []
-    for i, g in enumerate(grads):
-        if g is None:
-            continue
-        local = strategy.experimental_local_results(g)
-        if isinstance(local[0], tf.IndexedSlices) and collectives.rows_shared_by_replicas(local[0]):
-            with tf.device(local[0].values.device):
-                values = tf.add_n([part.values for part in local])
-            out[i] = tf.IndexedSlices(values, local[0].indices, local[0].dense_shape)
-        else:
-            reduced.append(i)
+    shared = tuple(
+        i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices) and collectives.rows_shared_by_replicas(g)
+    )
+    rows = [(grads[i].indices, grads[i].dense_shape) for i in shared]
+    sent = [g.values if i in shared else g for i, g in enumerate(grads)]
+    ctx.merge_call(
+        functools.partial(merge_fn, original=original, shared=shared), args=(optimizer, sent, variables, rows)
+    )
+
+
+def _with_shared_rows(sent: list, rows, shared: tuple, pick=lambda t: t) -> list:
+    """`sent` with each shared gradient an `IndexedSlices` again (`pick` selects one replica's rows)."""
+    grads = list(sent)
+    for (indices, dense_shape), i in zip(rows, shared):
+        grads[i] = tf.IndexedSlices(grads[i], pick(indices), pick(dense_shape))
+    return grads
+
+
+def _sum_over_replicas(strategy, sent: list, rows, shared: tuple) -> list:
+    """Cross-replica context: one local copy of each gradient's sum over all replicas (None stays None)."""
+    present = [i for i, g in enumerate(sent) if g is not None]
     # Reduced to the replicas' own devices (the update copies one sum to each variable).
-    summed = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(grads[i], grads[i]) for i in reduced])
-    for i, value in zip(reduced, summed):
+    summed = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(sent[i], sent[i]) for i in present])
+    out: list = [None] * len(sent)
+    for i, value in zip(present, summed):
         # Every replica's sum is the same; the update writes it to every copy.
         out[i] = strategy.experimental_local_results(value)[0]
-    return out
+    return _with_shared_rows(out, rows, shared, lambda t: strategy.experimental_local_results(t)[0])
 
 
 def _patched_optimizer_apply(original):
     # Keras's own `apply` runs unless the variables hold shards (a
     # variable_partitioner) or the call is a replica's in a custom loop under
-    # a tfdist mirrored, central_storage or sharded_optimizer strategy.
+    # a tfdist mirrored, central_storage, sharded_optimizer or multi_worker strategy.
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is not None:
@@ -650,16 +662,16 @@ def _patched_optimizer_apply(original):
         # `clipnorm`/`global_clipnorm` clip each replica's share instead of the
         # sum (SGD(global_clipnorm=0.5): 0.08 from one device), and a sparse
         # gradient's rows shared by replicas are not summed (a position
-        # embedding under Adam: 0.12 from one device). Stock tf.distribute does
+        # embedding under Adam: 0.15 from one device). Stock tf.distribute does
         # the same. Here the sum is clipped and applied once, as on one device.
         _build_outside_the_trace(self, trainable_variables)
         kc.optimizer_known_variables_check(self, trainable_variables)
-        ctx.merge_call(functools.partial(_apply_summed, original=original), args=(self, grads, trainable_variables))
+        _merge_summed(ctx, _apply_summed, self, grads, trainable_variables, original)
 
     return apply
 
 
-def _own_optimizer_per_replica(strategy, optimizer, grads, variables, original) -> bool:
+def _own_optimizer_per_replica(strategy, optimizer, sent, variables, rows, shared, original) -> bool:
     """Runs Keras's `apply` in each replica when each replica made its own optimizer object.
 
     An Estimator `model_fn` builds its model and optimizer once per replica:
@@ -668,18 +680,21 @@ def _own_optimizer_per_replica(strategy, optimizer, grads, variables, original) 
     """
     if not isinstance(optimizer, tf.distribute.DistributedValues):
         return False
-    strategy.extended.call_for_each_replica(original, args=(optimizer, grads, variables))
+
+    def keras_apply(optimizer, sent, variables, rows):
+        return original(optimizer, _with_shared_rows(sent, rows, shared), variables)
+
+    strategy.extended.call_for_each_replica(keras_apply, args=(optimizer, sent, variables, rows))
     return True
 
 
-def _apply_summed(strategy, optimizer, grads: list, variables: list, original) -> None:
+def _apply_summed(strategy, optimizer, sent: list, variables: list, rows, *, original, shared) -> None:
     """Cross-replica context: Keras's `apply` on the replicas' summed gradients, once."""
     from tfdist.engine import update
 
-    if _own_optimizer_per_replica(strategy, optimizer, grads, variables, original):
+    if _own_optimizer_per_replica(strategy, optimizer, sent, variables, rows, shared, original):
         return
-
-    summed = _sum_over_replicas(strategy, grads, variables)
+    summed = _sum_over_replicas(strategy, sent, rows, shared)
     scale = getattr(optimizer, "loss_scale_factor", None)
     if scale is not None:
         summed = [g if g is None else g / scale for g in summed]
@@ -715,14 +730,12 @@ def _patched_loss_scale_apply(original):
             return original(self, grads, trainable_variables)
         trainable_variables = list(trainable_variables)
         _build_outside_the_trace(self, trainable_variables)
-        ctx.merge_call(
-            functools.partial(_apply_loss_scaled_sum, original=original), args=(self, list(grads), trainable_variables)
-        )
+        _merge_summed(ctx, _apply_loss_scaled_sum, self, list(grads), trainable_variables, original)
 
     return apply
 
 
-def _apply_loss_scaled_sum(strategy, optimizer, grads: list, variables: list, original) -> None:
+def _apply_loss_scaled_sum(strategy, optimizer, sent: list, variables: list, rows, *, original, shared) -> None:
     """Cross-replica context: sums the replicas' `grads` and applies them under `optimizer`'s loss scale.
 
     As Keras's `LossScaleOptimizer.apply` on one device: every gradient
@@ -733,7 +746,7 @@ def _apply_loss_scaled_sum(strategy, optimizer, grads: list, variables: list, or
     """
     from tfdist.engine import update
 
-    if _own_optimizer_per_replica(strategy, optimizer, grads, variables, original):
+    if _own_optimizer_per_replica(strategy, optimizer, sent, variables, rows, shared, original):
         return
     inner = optimizer.inner_optimizer
     scale = update.DynamicLossScale(optimizer)
@@ -744,7 +757,7 @@ def _apply_loss_scaled_sum(strategy, optimizer, grads: list, variables: list, or
             unscaled = kc.clip_gradients(inner, unscaled)
         update.apply_update(inner, unscaled, variables, strategy.gradient_path.placement(strategy))
 
-    scale.gate(_sum_over_replicas(strategy, grads, variables), apply_unscaled)
+    scale.gate(_sum_over_replicas(strategy, sent, rows, shared), apply_unscaled)
 
 
 def _apply_to_shards(optimizer, grads: list, trainable_variables) -> None:

@@ -75,50 +75,6 @@ def test_loss_scale_grows_after_dynamic_growth_steps_finite_steps(digits):
     assert int(np.asarray(model.optimizer.step_counter)) == 1
 
 
-def _custom_loop_with_loss_scaling(strategy, x, y, built: bool, batch: int = 32):
-    """A custom training loop with a LossScaleOptimizer, as Keras's mixed-precision guide writes one.
-
-    `strategy=None` runs it on one device; `built=False` leaves the optimizer
-    to build at its first `apply`, inside the compiled step. Returns the weights, the loss
-    scale after each step (every copy of it), and the optimizer's iterations.
-    """
-    import contextlib
-
-    import tensorflow as tf
-
-    keras.utils.set_random_seed(0)
-    with strategy.scope() if strategy else contextlib.nullcontext():
-        model = keras.Sequential(
-            [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
-        )
-        optimizer = keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.Adam(0.01), initial_scale=1024.0, dynamic_growth_steps=2
-        )
-        if built:
-            optimizer.build(model.trainable_variables)
-
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            per_example = tf.reduce_sum(tf.square(model(xb, training=True) - yb), axis=1)
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
-            scaled = optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
-    if strategy:
-        data = strategy.experimental_distribute_dataset(data)
-        train = tf.function(lambda a, b: strategy.run(step, args=(a, b)))
-    else:
-        train = tf.function(step)
-    scales = []
-    for _ in range(2):
-        for a, b in data:
-            train(a, b)
-            scales.append(sorted({float(v) for v in _replica_values(optimizer.dynamic_scale)}))
-    return model.get_weights(), scales, int(np.asarray(optimizer.iterations))
-
-
 @pytest.mark.parametrize("built", [True, False], ids=["built", "built_in_step"])
 @pytest.mark.parametrize("name", ["mirrored", "central_storage"])
 def test_custom_loop_with_a_loss_scale_optimizer_trains_as_on_one_device(name, built):
@@ -126,19 +82,29 @@ def test_custom_loop_with_a_loss_scale_optimizer_trains_as_on_one_device(name, b
     # runs call_for_each_replica: in a compiled custom loop under MirroredStrategy
     # that failed once the scale changed ("You must feed a value for placeholder
     # tensor"), under CentralStorageStrategy at the first step. The loop grows the
-    # scale every 2 finite steps, and sample 72 (replica 0's share of the third
-    # batch) overflows the squared error to inf, so that step is skipped on every
+    # scale every 2 finite steps, and row 72 (replica 0's share of the third
+    # batch) overflows the gradient to inf, so that step is skipped on every
     # replica and the scale halved.
-    x = np.random.RandomState(1).randn(128, 8).astype("float32")
-    y = x[:, :1] * 2.0
-    x[72] = 1e20
-    expected, one_device_scales, iterations = _custom_loop_with_loss_scaling(None, x, y, built)
-    # Grown after 2 finite steps, halved at the overflow, on one device:
-    assert [s[0] for s in one_device_scales] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0, 1024.0, 1024.0]
-    assert iterations == 6  # two of the 8 steps skipped
+    import tensorflow as tf
 
-    weights, scales, got_iterations = _custom_loop_with_loss_scaling(make_strategy(name, replicas=2), x, y, built)
-    assert scales == one_device_scales  # every copy of the scale, after every step
-    assert got_iterations == iterations
-    for got, want in zip(weights, expected):
+    from tests.strategies import custom_loop
+
+    def optimizer_fn():
+        return keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01), initial_scale=1024.0, dynamic_growth_steps=2
+        )
+
+    def train(strategy):
+        return custom_loop.train(strategy, optimizer_fn, build_first=built, overflow_row=72, epochs=2)
+
+    reference, ref_optimizer, one_device_scales = train(tf.distribute.get_strategy())
+    # Grown after 2 finite steps, halved at the overflow, on one device:
+    assert one_device_scales == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0, 1024.0, 1024.0]
+    assert int(ref_optimizer.iterations.numpy()) == 6  # two of the 8 steps skipped
+
+    model, optimizer, scales = train(make_strategy(name, replicas=2))
+    assert scales == one_device_scales
+    assert _replica_values(optimizer.dynamic_scale) == [np.float32(1024.0)] * (2 if name == "mirrored" else 1)
+    assert int(optimizer.iterations.numpy()) == 6
+    for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-6)

@@ -25,6 +25,7 @@ import tensorflow as tf  # noqa: E402
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
+import custom_loop  # noqa: E402  (tests/strategies/custom_loop.py, beside this script)
 import keras  # noqa: E402
 
 import tfdist  # noqa: E402
@@ -113,6 +114,7 @@ def main() -> None:
     p.add_argument("--tf-data", action="store_true", help="also train a second model on a tf.data dataset")
     p.add_argument("--tf-keras", action="store_true", help="also train a tf-keras model")
     p.add_argument("--batchnorm", action="store_true", help="also train a model with BatchNorm (not synchronized)")
+    p.add_argument("--custom-loop", action="store_true", help="also train with custom_loop.py's loop")
     args = p.parse_args()
 
     strategy = tfdist.get_strategy("multi_worker", collective_timeout=120.0)
@@ -160,6 +162,11 @@ def main() -> None:
             bn_model = build_batchnorm()
         bn_model.fit(x[:192], y[:192], batch_size=64, epochs=1, shuffle=False, verbose=0)
         weights.update({f"batchnorm_{i}": w for i, w in enumerate(bn_model.get_weights())})
+
+    if args.custom_loop:
+        loop_model, loop_optimizer, scales = custom_loop.train(strategy, custom_loop.clipped_loss_scaled_adam, **custom_loop.EVERY_FIX)
+        result["custom_loop"] = {"scales": scales, "iterations": int(loop_optimizer.iterations.numpy())}
+        weights.update({f"loop_{i}": w for i, w in enumerate(loop_model.get_weights())})
 
     if args.tf_keras:
         with strategy.scope():

@@ -84,7 +84,8 @@ def mirrored_reference(x, y, epochs, tf_data=False, validation_data=None):
 def two_worker_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("multi_worker")
     writers = out / "writers"
-    status = run(out, "--epochs", "2", "--writers", str(writers), "--tf-data", "--tf-keras", "--batchnorm")
+    status = run(out, "--epochs", "2", "--writers", str(writers), "--tf-data", "--tf-keras", "--batchnorm",
+                 "--custom-loop")
     return status, out, writers
 
 
@@ -145,6 +146,28 @@ def test_batchnorm_moving_statistics_are_averaged_over_workers_as_under_mirrored
         reference = build_model("batchnorm", metrics=())
     reference.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     assert max_relative_difference(reference.get_weights(), chief) < PARITY_RTOL
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_custom_training_loop_matches_one_device(two_worker_job):
+    # Keras's own optimizer.apply in each replica failed here at the first step
+    # (a LossScaleOptimizer's conditional update, "merge_call called while
+    # defining a new graph"), and clipped each replica's share.
+    from tests.strategies import custom_loop
+
+    status, out, _ = two_worker_job
+    assert status == 0
+    (chief, chief_w), (other, other_w) = results(out, "worker0"), results(out, "worker1")
+    reference, ref_optimizer, ref_scales = custom_loop.train(
+        tf.distribute.get_strategy(), custom_loop.clipped_loss_scaled_adam, **custom_loop.EVERY_FIX
+    )
+    assert ref_scales == [1024.0, 2048.0, 1024.0, 1024.0]  # grown, then halved at the overflow
+    expected = {"scales": ref_scales, "iterations": int(ref_optimizer.iterations.numpy())}
+    assert chief["custom_loop"] == other["custom_loop"] == expected
+    for i, want in enumerate(reference.get_weights()):
+        np.testing.assert_array_equal(chief_w[f"loop_{i}"], other_w[f"loop_{i}"])
+        np.testing.assert_allclose(chief_w[f"loop_{i}"], want, atol=1e-6)
 
 
 @pytest.mark.cluster

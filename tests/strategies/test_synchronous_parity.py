@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import build_model
+from tests.strategies import custom_loop
 from tests.strategies.parity import PARITY_RTOL, relative_difference, strategy_for, train_pair
 
 STRATEGIES = ["mirrored", "central_storage"]
@@ -162,18 +163,6 @@ def test_custom_training_loop_built_first_matches_single_device(name, digits):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
-class _PositionEmbedding(keras.layers.Layer):
-    """A learned position embedding looked up once per batch (`ops.arange`), as in the keras-io Transformer."""
-
-    def __init__(self, length: int, width: int, **kwargs):
-        super().__init__(**kwargs)
-        self.length = length
-        self.embedding = keras.layers.Embedding(length, width)
-
-    def call(self, x):
-        return x + self.embedding(keras.ops.arange(self.length))
-
-
 # What a custom loop written as Keras's guides write it may hold, and what
 # Keras's own `apply` in a replica got wrong under tf.distribute (TensorFlow 2.21,
 # Keras 3.15): an optimizer built at its first `apply` failed inside the traced
@@ -191,42 +180,8 @@ _LOOP_CASES = {
 @pytest.mark.parametrize("name", STRATEGIES + ["sharded_optimizer"])
 def test_custom_training_loop_matches_single_device(name, case):
     optimizer_fn, build_first, position = _LOOP_CASES[case]
-    rng = np.random.RandomState(1)
-    tokens = rng.randint(0, 20, (64, 6)).astype("int32")
-    targets = (tokens[:, :1] / 10.0 - 1.0).astype("float32")
-    batches = tf.data.Dataset.from_tensor_slices((tokens, targets)).batch(16)
-
-    def run(strategy):
-        with strategy.scope():
-            keras.utils.set_random_seed(0)
-            inputs = keras.Input((6,), dtype="int32")
-            hidden = keras.layers.Embedding(20, 4)(inputs)
-            if position:
-                hidden = _PositionEmbedding(6, 4)(hidden)
-            outputs = keras.layers.Dense(1)(keras.layers.Flatten()(hidden))
-            model = keras.Model(inputs, outputs)
-            optimizer = optimizer_fn()
-            if build_first:
-                optimizer.build(model.trainable_variables)
-
-        @tf.function
-        def step(batch):
-            def replica_fn(batch):
-                x, y = batch
-                with tf.GradientTape() as tape:
-                    per_example = tf.reduce_sum(tf.square(model(x, training=True) - y), axis=1)
-                    loss = tf.nn.compute_average_loss(per_example, global_batch_size=16)
-                grads = tape.gradient(loss, model.trainable_variables)
-                optimizer.apply(grads, model.trainable_variables)
-
-            strategy.run(replica_fn, args=(batch,))
-
-        for batch in strategy.experimental_distribute_dataset(batches):
-            step(batch)
-        return model, optimizer
-
-    reference, ref_optimizer = run(tf.distribute.get_strategy())
-    model, optimizer = run(strategy_for(name, 2))
+    reference, ref_optimizer, _ = custom_loop.train(tf.distribute.get_strategy(), optimizer_fn, build_first, position)
+    model, optimizer, _ = custom_loop.train(strategy_for(name, 2), optimizer_fn, build_first, position)
     assert int(optimizer.iterations.numpy()) == int(ref_optimizer.iterations.numpy()) == 4
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-6)
