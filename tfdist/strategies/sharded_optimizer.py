@@ -512,6 +512,8 @@ class ShardedState:
         self.entries: list = []
         self.slots: dict = {}
         self.decay: list | None = None
+        # Variables whose gradient is None in the step being traced (set by `reduce`).
+        self._without_gradient: frozenset = frozenset()
         self._checkpoint_children: dict | None = None
         self._gather_functions: dict = {}
         # Gradient elements of the largest group of layers a traced step reduced at once (`reduce_by_unit`).
@@ -805,6 +807,7 @@ class ShardedState:
         ctx = tf.distribute.get_replica_context()
         replica = tf.get_static_value(ctx.replica_id_in_sync_group)
         grads = values[:-1]
+        self._without_gradient = frozenset(i for i, g in enumerate(grads) if g is None)
         riders = list(riders)
         if self.strategy.stage == 1:
             summed = collectives.all_reduce_sum(
@@ -859,8 +862,11 @@ class ShardedState:
                 out.append(parts[lo])
             return out
 
+        reduced: set = set()
+
         def reducer(indices, grads):
             dense = [(i, g) for i, g in zip(indices, grads) if g is not None]
+            reduced.update(i for i, _ in dense)
             if not dense:
                 return []
             sizes = self.layout.sizes  # static, where a gradient's shape may not be
@@ -898,6 +904,9 @@ class ShardedState:
         self.largest_group = max(self.largest_group, step.layer_reductions.largest_group)
         values = step.compute_gradients(batch, reducer=reducer)
         grads = values[:-1]
+        self._without_gradient = frozenset(
+            i for i, g in enumerate(grads) if g is None and i not in reduced
+        )
         total, *riders = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [values[-1]] + list(riders))
         shard = self._slice_from_pieces(kept, replica)
         if has_sparse(grads):
@@ -965,11 +974,17 @@ class ShardedState:
         (g,) = grads
         placement = _OwnedSlices(self, after=g, chunked=self._updates_by_chunk(g))
 
+        # Keras skips a variable whose gradient is None (a branch under
+        # stop_gradient): no update, so no weight decay either.
+        decay = None if self.decay is None else [
+            d and i not in self._without_gradient for i, d in enumerate(self.decay)
+        ]
+
         def mask():
             # Evaluated where each replica's update runs: decay only the
             # elements of variables that take weight decay.
             replica = tfc.replica_id_in_sync_group(self.strategy, tfc.update_replica_id())
-            full = self.layout.mask(replica, self.decay)
+            full = self.layout.mask(replica, decay)
             if full is None or placement.chunk is None:
                 return full
             return full[placement.chunk[0]:placement.chunk[1]]
