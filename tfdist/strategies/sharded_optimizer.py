@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Sequence
 
 import keras
@@ -644,7 +645,26 @@ class ShardedState:
                 "built yet, so it cannot load state. Build the model and call "
                 "model.optimizer.build(model.trainable_variables) first (fit does)."
             )
-        self.load_canonical_values([store[str(i)] for i in range(len(store.keys()))])
+        if not self.skips_other_state(len(store.keys())):
+            self.load_canonical_values([store[str(i)] for i in range(len(store.keys()))])
+
+    def skips_other_state(self, saved: int, own: int = 0) -> bool:
+        """True, with Keras's warning, when a file holds another number of optimizer variables than this one.
+
+        As Keras's `Optimizer.load_own_variables`: `load_weights` of a file
+        saved from an uncompiled model, or with another optimizer, loads the
+        layers' weights and keeps this optimizer's state. `own`: variables a
+        wrapper (`LossScaleOptimizer`) holds before the canonical ones.
+        """
+        expected = own + len(self.canonical_shapes())
+        if saved == expected:
+            return False
+        warnings.warn(
+            f"Skipping variable loading for optimizer '{self.optimizer.name}', because it has {expected} "
+            f"variables whereas the saved optimizer has {saved} variables. ",
+            stacklevel=3,
+        )
+        return True
 
     def trackable_children(self, save_type="checkpoint", **kwargs) -> dict:
         """tf.train.Checkpoint: the children a single-device Keras optimizer has."""
