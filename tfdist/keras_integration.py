@@ -631,7 +631,8 @@ def _sum_over_replicas(strategy, sent: list, rows, shared: tuple) -> list:
     """Cross-replica context: one local copy of each gradient's sum over all replicas (None stays None)."""
     present = [i for i, g in enumerate(sent) if g is not None]
     # Reduced to the replicas' own devices (the update copies one sum to each variable).
-    summed = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(sent[i], sent[i]) for i in present])
+    pairs = [(sent[i], sent[i]) for i in present]
+    summed = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs) if pairs else []
     out: list = [None] * len(sent)
     for i, value in zip(present, summed):
         # Every replica's sum is the same; the update writes it to every copy.
