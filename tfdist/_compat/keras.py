@@ -997,9 +997,18 @@ def _dispatcher(layer, own):
     return call
 
 
-def with_keras_mask_of(source, tensor):
-    """`tensor`, carrying `source`'s Keras mask (the `_keras_mask` attribute layers read from their inputs)."""
-    mask = getattr(source, "_keras_mask", None)
+def keras_mask(tensor):
+    """`tensor`'s Keras mask now (the `_keras_mask` attribute layers read from their inputs), or None.
+
+    A layer may clear its inputs' masks in its `call` (`MultiHeadAttention`
+    does), so what a call saw is read before it runs. Private attribute,
+    verified on Keras 3.5 to 3.15.
+    """
+    return getattr(tensor, "_keras_mask", None)
+
+
+def with_keras_mask(tensor, mask):
+    """`tensor`, carrying `mask` as its Keras mask (none set where `mask` is None)."""
     if mask is not None:
         tensor._keras_mask = mask
     return tensor

@@ -24,10 +24,12 @@ step's peak. Here each top-level layer of the model is a unit
 
 So a replica holds the gathered values of about one unit at a time, at the
 cost of one more forward pass of each unit. The recomputation reads the
-state the forward read (dropout seeds, BatchNorm statistics): the unit's
-other variables keep their forward values, and the forward's updates and
-added losses leave the unit as outputs (`tf.custom_gradient`), recorded in
-the step's `keras.StatelessScope` as Keras would record them.
+state the forward read (dropout seeds, BatchNorm statistics) and its inputs
+carry the Keras masks the forward's call received (a layer may clear them as
+it runs): the unit's other variables keep their forward values, and the
+forward's updates and added losses leave the unit as outputs
+(`tf.custom_gradient`), recorded in the step's `keras.StatelessScope` as
+Keras would record them.
 
 A layer is not a unit — its variables are gathered whole before the pass,
 as before — when it contains an `Embedding` (its gradient is sparse rows,
@@ -144,6 +146,11 @@ def whole(variable, part_values: list):
 class _LayerCall:
     """One call of a unit's layer: its arguments' tensors, and the layer's own `call` re-run on others.
 
+    `masks` are the tensors' Keras masks as the call receives them: a layer
+    may clear its inputs' masks as it runs (`MultiHeadAttention` does, after
+    reading the query's mask in place of its `query_mask` argument), so a
+    re-run carries these, not what the tensors hold by then.
+
     The layer runs in a `keras.StatelessScope` of its own, which starts from
     the step's (`outer`) with some variables mapped to other values; what it
     records (updates, added losses) is handed back by `updates` and
@@ -156,6 +163,7 @@ class _LayerCall:
         self.flat = tf.nest.flatten((args, kwargs))
         self.positions = [k for k, a in enumerate(self.flat) if tf.is_tensor(a)]
         self.inputs = [self.flat[k] for k in self.positions]
+        self.masks = [kc.keras_mask(t) for t in self.inputs]
         self.outer = kc.stateless_scope()
 
     def run(self, tensors: list, mapping: dict):
@@ -261,7 +269,8 @@ def _unit_call(unit: Unit, variables: list, parts: dict, values: list, previous:
                 wanted = dys[: len(outputs) + len(scope.losses)]
                 regathered = gathered_after(list(wanted) + previous, own_parts)
                 # A tensor passed twice (attention's query and value) gets its two gradients apart.
-                fresh = [kc.with_keras_mask_of(t, tf.identity(t)) for t in tensors]
+                # Carrying the masks the forward's call saw: its layer may have cleared the tensors'.
+                fresh = [kc.with_keras_mask(tf.identity(t), m) for t, m in zip(tensors, this.masks)]
                 sources = [t for t in fresh if t.dtype.is_floating]
                 read2 = [tf.identity(r) for r in read]
                 with tf.GradientTape(watch_accessed_variables=False) as tape:
@@ -465,7 +474,7 @@ def _entry_call(reduction: _ReductionPass, u: int):
 
         passed = entry(*inputs, *weights)
         passed = list(passed) if isinstance(passed, (list, tuple)) else [passed]
-        tensors = [kc.with_keras_mask_of(t, p) for t, p in zip(inputs, passed[: len(inputs)])]
+        tensors = [kc.with_keras_mask(p, m) for p, m in zip(passed[: len(inputs)], this.masks)]
         mapping = kc.stateless_values(this.outer)
         mapping.update(zip(ids, passed[len(inputs):]))
         out, scope = this.run(tensors, mapping)
