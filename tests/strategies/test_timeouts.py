@@ -205,7 +205,9 @@ def test_a_worker_stuck_in_python_fails_its_peer_after_the_collective_timeout():
         stop(w0, w1)
     assert w0.returncode == 1
     assert "DeadlineExceededError" in err and "Collective has timed out during execution." in err
-    assert 8.0 <= ended - hung_at < 20.0, ended - hung_at
+    # The timeout fired (8 s), not the default 600 s; the rest is the process's exit, up to
+    # 20.7 s measured on the 2-core machine with another cluster test beside the suite.
+    assert 8.0 <= ended - hung_at < 40.0, ended - hung_at
 
 
 @pytest.mark.cluster
