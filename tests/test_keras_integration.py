@@ -464,3 +464,17 @@ def test_an_empty_replica_share_under_a_conv_with_bias_names_the_cause_and_the_f
         model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
         assert int(model.optimizer.iterations.numpy()) == 4
     assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@pytest.mark.parametrize("name", ["mirrored", "sharded_optimizer"])
+def test_int_and_float_of_an_optimizer_variable(name, data):
+    # Keras's Variable.__int__ is int(self.value); a MirroredVariable has no
+    # __int__, so int(model.optimizer.iterations) raised TypeError ("int()
+    # argument must be ... not 'MirroredVariable'"), as under stock tf.distribute.
+    x, y = data
+    with strategy_for(name, 2).scope():
+        model = build_model(optimizer=keras.optimizers.Adam(0.001))
+    model.fit(x[:96], y[:96], batch_size=32, verbose=0)
+    assert int(model.optimizer.iterations) == 3
+    assert float(model.optimizer.iterations) == 3.0
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.001)

@@ -230,6 +230,8 @@ def install() -> None:
     # optimizer.apply in custom training loops (and over variables held in shards).
     kc.replace_method(kc.base_optimizer_class(), "apply", _patched_optimizer_apply)
     kc.replace_method(keras.optimizers.LossScaleOptimizer, "apply", _patched_loss_scale_apply)
+    # int(model.optimizer.iterations) under a strategy.
+    kc.replace_number_conversions()
     # Checkpoint writes of tfdist models go to a temporary file renamed into place.
     checkpointing.install()
     if not _hooks_registered:
@@ -254,6 +256,7 @@ def uninstall() -> None:
     kc.restore_method(trainer, "predict_on_batch")
     kc.restore_method(kc.base_optimizer_class(), "apply")
     kc.restore_method(keras.optimizers.LossScaleOptimizer, "apply")
+    kc.restore_number_conversions()
     kc.restore_symbolic_build()
     kc.restore_default_dtype_policy()
     checkpointing.uninstall()

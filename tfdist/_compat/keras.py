@@ -398,6 +398,43 @@ def patch_variables_for_parameter_servers() -> None:
     Variable.assign_sub = assign_sub
 
 
+def replace_number_conversions() -> None:
+    """`int(v)` and `float(v)` of a Keras variable whose value is a distributed variable.
+
+    Keras 3's `Variable.__int__` is `int(self.value)`, and a `MirroredVariable`
+    (any `tf.distribute` variable) has no `__int__`: under every strategy,
+    `int(model.optimizer.iterations)` raises "TypeError: int() argument must
+    be a string, a bytes-like object or a real number, not
+    'MirroredVariable'" (stock `tf.distribute` too; no upstream issue found).
+    Such a value is converted from `numpy()` (one replica's copy, which every
+    copy equals for mirrored state). Other variables: Keras's own methods.
+    Verified on Keras 3.15 (`keras.src.backend.common.variables.Variable`).
+    """
+    from keras.src.backend.common.variables import Variable
+
+    def wrapper(convert):
+        def wrap(original):
+            @functools.wraps(original)
+            def method(self):
+                if isinstance(getattr(self, "_value", None), tf.distribute.DistributedValues):
+                    return convert(self.numpy())
+                return original(self)
+
+            return method
+
+        return wrap
+
+    replace_method(Variable, "__int__", wrapper(int))
+    replace_method(Variable, "__float__", wrapper(float))
+
+
+def restore_number_conversions() -> None:
+    from keras.src.backend.common.variables import Variable
+
+    restore_method(Variable, "__int__")
+    restore_method(Variable, "__float__")
+
+
 def holds_shards(source) -> bool:
     """Whether `source` is a `ShardedVariable` or a Keras variable whose value is one.
 
