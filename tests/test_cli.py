@@ -50,6 +50,14 @@ def test_demo_runs_every_registered_strategy_that_fits_on_one_host():
 def test_demo_rejects_unknown_strategy_and_bad_counts(capsys):
     assert cli.main(["demo", "--strategy", "ring", "--quiet", "--devices", "4"]) == 2
     assert "tfdist demo: unknown strategy 'ring'. Valid names: [" in capsys.readouterr().err
+    # A cluster strategy printed an empty table and exited 0.
+    assert cli.main(["demo", "--strategy", "multi_worker", "--quiet"]) == 2
+    runnable = [name for name, _ in demo.demo_strategies()]
+    assert capsys.readouterr().err.strip() == (
+        f"tfdist demo: strategy 'multi_worker' needs a cluster of processes, which the demo does not start; it "
+        f"runs {runnable}. Run a job of several processes with `tfdist launch` (docs/operations.md) or see "
+        "examples/."
+    )
     assert cli.main(["demo", "--epochs", "0"]) == 2
     assert capsys.readouterr().err.strip() == "tfdist demo: --epochs must be a positive integer. Received: --epochs 0"
 

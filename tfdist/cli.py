@@ -45,6 +45,16 @@ def _demo_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    runnable = [name for name, _ in demo.demo_strategies()]
+    elsewhere = [s for s in (args.strategy or []) if s not in runnable]
+    if elsewhere:
+        print(
+            f"tfdist demo: strategy {elsewhere[0]!r} needs a cluster of processes, which the demo does not "
+            f"start; it runs {runnable}. Run a job of several processes with `tfdist launch` "
+            "(docs/operations.md) or see examples/.",
+            file=sys.stderr,
+        )
+        return 2
     rows = demo.run_demo(
         epochs=args.epochs,
         batch_size=args.batch_size,

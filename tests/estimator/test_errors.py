@@ -87,6 +87,24 @@ def test_missing_model_dir():
         est.Estimator(model_fn, params={})
 
 
+def test_a_model_dir_that_is_a_file_or_cannot_be_created_is_named(tmp_path, digits):
+    # Both surfaced at train() as TensorFlow's summary-writer error, without the path:
+    # "FailedPreconditionError: ... CreateSummaryFileWriter ... Not a directory".
+    a_file = tmp_path / "weights.h5"
+    a_file.write_bytes(b"")
+    with pytest.raises(ValueError, match=re.escape(
+        f"model_dir '{a_file}' is a file; the Estimator writes checkpoints and summaries into a directory "
+        "there. Pass the path of a directory (it is created if missing)."
+    )):
+        est.Estimator(model_fn, model_dir=str(a_file))
+    unwritable = est.Estimator(model_fn, model_dir=f"{a_file}/run")
+    with pytest.raises(ValueError, match=re.escape(
+        f"model_dir '{a_file}/run' cannot be created ("
+    )) as info:
+        unwritable.train(input_fn_for(digits[0][:64], digits[1][:64]), max_steps=1)
+    assert str(info.value).endswith("Pass a directory this process can write (it is created if missing).")
+
+
 def test_two_different_model_dirs(tmp_path):
     with pytest.raises(ValueError, match=re.escape(
         f"model_dir is set both in the Estimator and in its RunConfig, to different values. "

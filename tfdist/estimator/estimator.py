@@ -381,6 +381,11 @@ class Estimator:
                 "Estimator(model_fn, model_dir=...) or RunConfig(model_dir=...). Received: model_dir=None"
             )
         self._model_fn = model_fn
+        if os.path.exists(model_dir) and not os.path.isdir(model_dir):
+            raise ValueError(
+                f"model_dir {model_dir!r} is a file; the Estimator writes checkpoints and summaries into "
+                "a directory there. Pass the path of a directory (it is created if missing)."
+            )
         self._model_dir = model_dir
         self._config = config.replace(model_dir=model_dir)
         self._params = dict(params or {})
@@ -537,6 +542,13 @@ class Estimator:
                 raise ValueError(f"Estimator.train argument '{name}' must be a positive integer. "
                                  f"Received: {name}={value!r}")
         _ensure_visible_logging()
+        try:
+            tf.io.gfile.makedirs(self._model_dir)
+        except (OSError, tf.errors.OpError) as error:
+            raise ValueError(
+                f"model_dir {self._model_dir!r} cannot be created ({getattr(error, 'message', None) or error}). "
+                "Pass a directory this process can write (it is created if missing)."
+            ) from error
         latest = self.latest_checkpoint()
         if max_steps is not None and latest is not None:
             saved = checkpoint_global_step(latest)
