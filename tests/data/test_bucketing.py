@@ -248,3 +248,23 @@ def test_xla_fit_compiles_one_program_per_bucket(tmp_path):
     # Two epochs over 4 buckets: 4 shapes, 4 compilations (pad-to-longest would compile per batch length).
     assert report["shapes"] == [[8, 16], [8, 32], [8, 64], [8, 128]]
     assert report["compilations"] == 4
+
+
+def test_a_scalar_first_component_asks_for_length_fn():
+    # {"tokens": [n], "label": scalar}: tf.nest sorts the keys, so the default length read
+    # axis 0 of the label and failed inside the pipeline ("slice index 0 of dimension 0 out
+    # of bounds").
+    examples = tf.data.Dataset.from_tensor_slices({"tokens": tf.ones([4, 3], tf.int32), "label": tf.range(4)})
+    with pytest.raises(ValueError) as info:
+        tfdist.data.bucket_by_length(examples, boundaries=[4], global_batch_size=2, num_replicas=1)
+    assert str(info.value) == (
+        "bucket_by_length reads an example's length from axis 0 of its first component in tf.nest order "
+        "(a dict's keys sorted), and that component is a scalar here. Pass length_fn=, e.g. "
+        "length_fn=lambda example: tf.shape(example['tokens'])[0]. "
+        f"Received: element_spec={examples.element_spec}"
+    )
+    fixed = tfdist.data.bucket_by_length(
+        examples, boundaries=[4], global_batch_size=2, num_replicas=1,
+        length_fn=lambda example: tf.shape(example["tokens"])[0],
+    )
+    assert [tuple(b["tokens"].shape) for b in fixed] == [(2, 3), (2, 3)]  # a static length stays as it is

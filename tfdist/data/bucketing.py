@@ -288,6 +288,15 @@ def bucket_by_length(
     if num_replicas is None:
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
     global_batch_size = _check_global_batch(global_batch_size, num_replicas)
+    if length_fn is None:
+        first = tf.nest.flatten(dataset.element_spec)[0]
+        if getattr(first, "shape", None) is not None and first.shape.rank == 0:
+            raise ValueError(
+                "bucket_by_length reads an example's length from axis 0 of its first component in "
+                "tf.nest order (a dict's keys sorted), and that component is a scalar here. Pass "
+                "length_fn=, e.g. length_fn=lambda example: tf.shape(example['tokens'])[0]. "
+                f"Received: element_spec={dataset.element_spec}"
+            )
     length_fn = length_fn or _default_length
 
     def length_of(*element):
