@@ -159,7 +159,7 @@ def test_restarts_run_the_whole_job_again(tmp_path, capsys, monkeypatch):
     assert "restart 3 of 3" not in err
     assert err.endswith(
         "tfdist launch: summary: worker:0  exited with status 0  restarts 2\n"
-        "tfdist launch: summary: worker:1  exited with status 0  restarts 2  last error: failing in attempt 1\n"
+        "tfdist launch: summary: worker:1  exited with status 0  restarts 2  error before a restart: failing in attempt 1\n"
     )
 
 
@@ -204,6 +204,22 @@ def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError) as e:
         run_job(**kwargs)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--workers", "0"], "tfdist launch: A job needs at least one training process: pass --workers 1 or "
+                             "more, or --chief. Received: workers=0, chief=False"),
+        (["--workers", "2", "--timeout", "0"], "tfdist launch: --timeout must be a number of seconds > 0 "
+                                               "(leave --timeout out for no limit). Received: timeout=0.0"),
+    ],
+)
+def test_bad_command_line_arguments_are_named_by_their_flags(flags, message, capsys):
+    from tfdist.cli import main
+
+    assert main(["launch", *flags, "--", sys.executable, "-c", "pass"]) == 2
+    assert capsys.readouterr().err.strip() == message
 
 
 def test_cli_ctrl_c_stops_every_process(tmp_path):

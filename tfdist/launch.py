@@ -213,6 +213,8 @@ class _Record:
     runs: int = 0
     ended: str = "did not start"
     last_error: Optional[str] = None
+    # Whether `last_error` is from the task's last run (else from a run before a restart).
+    error_in_last_run: bool = False
 
 
 def free_ports(n: int) -> list[int]:
@@ -406,6 +408,7 @@ class _Job:
             record.ended = "stopped by the launcher"
         else:
             record.ended = _describe_exit(code)
+            record.error_in_last_run = code != 0
             if code != 0:
                 record.last_error = task.last_error()
         shutil.rmtree(task.tmpdir, ignore_errors=True)
@@ -523,7 +526,7 @@ class _Job:
             restarts = max(r.runs - 1, 0)
             line = f"summary: {r.label:<{width}}  {r.ended:<{ended}}  restarts {restarts}"
             if r.last_error:
-                line += f"  last error: {r.last_error}"
+                line += f"  {'last error' if r.error_in_last_run else 'error before a restart'}: {r.last_error}"
             _say(line)
 
 
@@ -881,5 +884,7 @@ def main(args) -> int:
                        all_progress=getattr(args, "all_progress", False), tf_logs=getattr(args, "tf_logs", False))
     except ValueError as e:
         _say(str(e).replace("Argument 'workers'", "--workers").replace("Argument 'ps'", "--ps")
-             .replace("Argument 'restarts'", "--restarts").replace("Argument 'timeout'", "--timeout"))
+             .replace("Argument 'restarts'", "--restarts").replace("Argument 'timeout'", "--timeout")
+             .replace("pass workers >= 1 or chief=True", "pass --workers 1 or more, or --chief")
+             .replace("seconds > 0 or None", "seconds > 0 (leave --timeout out for no limit)"))
         return 2
