@@ -37,7 +37,6 @@ def _demo_run(args: argparse.Namespace) -> int:
     import tfdist
     from tfdist import demo
 
-    tfdist.configure_local_devices(args.devices)
     unknown = [s for s in (args.strategy or []) if s not in tfdist.strategy_names()]
     if unknown:
         print(
@@ -55,6 +54,7 @@ def _demo_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    tfdist.configure_local_devices(args.devices)
     rows = demo.run_demo(
         epochs=args.epochs,
         batch_size=args.batch_size,
