@@ -599,27 +599,51 @@ def _build_outside_the_trace(optimizer, variables: list) -> None:
         optimizer.built = True
 
 
-def _merge_summed(ctx, merge_fn, optimizer, grads: list, variables: list, original) -> None:
-    """Replica context: hands the replicas' gradients to `merge_fn` in cross-replica context.
+def _apply_in_custom_loop(optimizer, grads, variables, original) -> bool:
+    """Replica context of a custom loop: applies the replicas' summed `grads` once; False where Keras's `apply` runs.
+
+    Keras's `apply` in a replica reduces each replica's gradients with its own
+    all-reduce, then clips and updates: a first call that builds the optimizer
+    fails inside the traced step (see `_build_outside_the_trace`),
+    `clipnorm`/`global_clipnorm` clip each replica's share instead of the sum
+    (SGD(global_clipnorm=0.5): 0.08 from one device), a sparse gradient's rows
+    shared by replicas are not summed (a position embedding under Adam: 0.15),
+    and a `LossScaleOptimizer` gates its update with a `cond` in cross-replica
+    context whose branch runs `call_for_each_replica`, which fails in a
+    compiled step under MirroredStrategy once the scale changes ("You must
+    feed a value for placeholder tensor 'cond/else/_1/cond/Placeholder_1'"),
+    and at the first step under CentralStorageStrategy. Stock tf.distribute
+    does the same. Here the sum is unscaled, clipped and applied once, as on
+    one device, behind the loss-scale gate `fit` uses.
 
     Sparse gradients whose rows are the same on every replica (a position
     embedding, `tfdist.collectives.rows_shared_by_replicas`) travel as their
     values, to be added like a dense gradient, as `fit` adds them: one device
     holds each such row once. Rows that follow the data (token ids) are
-    concatenated. `merge_fn(strategy, optimizer, sent, variables, rows,
-    original=, shared=)` gets the values and each shared gradient's
-    `(indices, dense_shape)` in `rows`.
+    concatenated.
     """
     from tfdist import collectives
 
+    ctx = _summing_replica_context()
+    if (
+        ctx is None
+        or variables is None
+        or not grads
+        or kc.keras_accumulation_steps(optimizer) is not None
+        or not kc.clips_like_keras(kc.inner_optimizer(optimizer))  # a sharded optimizer's own path
+    ):
+        return False
+    _build_outside_the_trace(optimizer, variables)
+    kc.optimizer_known_variables_check(optimizer, variables)
     shared = tuple(
         i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices) and collectives.rows_shared_by_replicas(g)
     )
     rows = [(grads[i].indices, grads[i].dense_shape) for i in shared]
     sent = [g.values if i in shared else g for i, g in enumerate(grads)]
     ctx.merge_call(
-        functools.partial(merge_fn, original=original, shared=shared), args=(optimizer, sent, variables, rows)
+        functools.partial(_apply_summed, original=original, shared=shared), args=(optimizer, sent, variables, rows)
     )
+    return True
 
 
 def _with_shared_rows(sent: list, rows, shared: tuple, pick=lambda t: t) -> list:
@@ -643,10 +667,43 @@ def _sum_over_replicas(strategy, sent: list, rows, shared: tuple) -> list:
     return _with_shared_rows(out, rows, shared, lambda t: strategy.experimental_local_results(t)[0])
 
 
+def _apply_summed(strategy, optimizer, sent: list, variables: list, rows, *, original, shared) -> None:
+    """Cross-replica context: Keras's `apply` (or `LossScaleOptimizer.apply`) on the replicas' sum, once."""
+    from tfdist.engine import update
+
+    if isinstance(optimizer, tf.distribute.DistributedValues):
+        # Each replica made its own optimizer (an Estimator `model_fn` builds
+        # one per replica): they share no update to apply once.
+        def keras_apply(optimizer, sent, variables, rows):
+            return original(optimizer, _with_shared_rows(sent, rows, shared), variables)
+
+        strategy.extended.call_for_each_replica(keras_apply, args=(optimizer, sent, variables, rows))
+        return
+    inner = kc.inner_optimizer(optimizer)
+    loss_scale = update.dynamic_loss_scale(optimizer)
+
+    def apply(grads: list) -> None:
+        if loss_scale is not None:
+            grads = loss_scale.update(grads)
+        scale = getattr(inner, "loss_scale_factor", None)
+        if scale is not None:
+            grads = [g if g is None else g / scale for g in grads]
+        update.apply_update(
+            inner, kc.clip_gradients(inner, grads), variables, strategy.gradient_path.placement(strategy)
+        )
+
+    summed = _sum_over_replicas(strategy, sent, rows, shared)
+    if loss_scale is None:
+        apply(summed)
+    else:
+        loss_scale.gate(summed, apply)
+
+
 def _patched_optimizer_apply(original):
     # Keras's own `apply` runs unless the variables hold shards (a
     # variable_partitioner) or the call is a replica's in a custom loop under
-    # a tfdist mirrored, central_storage, sharded_optimizer or multi_worker strategy.
+    # a tfdist mirrored, central_storage, sharded_optimizer or multi_worker
+    # strategy (`_apply_in_custom_loop`).
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is not None:
@@ -656,112 +713,22 @@ def _patched_optimizer_apply(original):
         )
         if any(kc.holds_shards(v) for v in known):
             return _apply_to_shards(self, list(grads), trainable_variables)
-        ctx = _summing_replica_context()
-        grads = list(grads)
-        if ctx is None or trainable_variables is None or not grads or getattr(self, "gradient_accumulation_steps", None):
+        if not _apply_in_custom_loop(self, list(grads), trainable_variables, original):
             return original(self, grads, trainable_variables)
-        # Keras's apply in a replica reduces each replica's gradients with its
-        # own all-reduce, then clips and updates: a first call that builds the
-        # optimizer fails inside the traced step (see _build_outside_the_trace),
-        # `clipnorm`/`global_clipnorm` clip each replica's share instead of the
-        # sum (SGD(global_clipnorm=0.5): 0.08 from one device), and a sparse
-        # gradient's rows shared by replicas are not summed (a position
-        # embedding under Adam: 0.15 from one device). Stock tf.distribute does
-        # the same. Here the sum is clipped and applied once, as on one device.
-        _build_outside_the_trace(self, trainable_variables)
-        kc.optimizer_known_variables_check(self, trainable_variables)
-        _merge_summed(ctx, _apply_summed, self, grads, trainable_variables, original)
 
     return apply
-
-
-def _own_optimizer_per_replica(strategy, optimizer, sent, variables, rows, shared, original) -> bool:
-    """Runs Keras's `apply` in each replica when each replica made its own optimizer object.
-
-    An Estimator `model_fn` builds its model and optimizer once per replica:
-    `merge_call` then hands over one optimizer per replica, which share no
-    update to apply once.
-    """
-    if not isinstance(optimizer, tf.distribute.DistributedValues):
-        return False
-
-    def keras_apply(optimizer, sent, variables, rows):
-        return original(optimizer, _with_shared_rows(sent, rows, shared), variables)
-
-    strategy.extended.call_for_each_replica(keras_apply, args=(optimizer, sent, variables, rows))
-    return True
-
-
-def _apply_summed(strategy, optimizer, sent: list, variables: list, rows, *, original, shared) -> None:
-    """Cross-replica context: Keras's `apply` on the replicas' summed gradients, once."""
-    from tfdist.engine import update
-
-    if _own_optimizer_per_replica(strategy, optimizer, sent, variables, rows, shared, original):
-        return
-    summed = _sum_over_replicas(strategy, sent, rows, shared)
-    scale = getattr(optimizer, "loss_scale_factor", None)
-    if scale is not None:
-        summed = [g if g is None else g / scale for g in summed]
-    update.apply_update(
-        optimizer, kc.clip_gradients(optimizer, summed), variables, strategy.gradient_path.placement(strategy)
-    )
 
 
 def _patched_loss_scale_apply(original):
+    # As `_patched_optimizer_apply`: Keras's LossScaleOptimizer.apply overrides
+    # the base class's, so it is replaced on its own.
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
-        # Keras's LossScaleOptimizer.apply (3.5 to 3.15), called in a replica
-        # context of a strategy that merges (MirroredStrategy on CPUs,
-        # CentralStorageStrategy), checks finiteness and updates inside a
-        # `cond` in cross-replica context whose branch runs
-        # `call_for_each_replica`. In a custom training loop's compiled step
-        # that fails: under stock MirroredStrategy once the scale changes (an
-        # overflow, or growth after `dynamic_growth_steps`: "You must feed a
-        # value for placeholder tensor 'cond/else/_1/cond/Placeholder_1'"),
-        # under CentralStorageStrategy at the first step. Under a tfdist
-        # mirrored or central_storage strategy the replicas' gradients are
-        # summed first, and the loss-scale gate `fit` uses
-        # (`tfdist.engine.update.DynamicLossScale`) applies the inner
-        # optimizer to the sum in cross-replica context, or skips the update
-        # and halves the scale on every replica.
-        ctx = _summing_replica_context()
-        if (
-            ctx is None
-            or trainable_variables is None
-            or kc.keras_accumulation_steps(self) is not None
-            or not kc.clips_like_keras(self.inner_optimizer)  # a sharded optimizer's own path
-        ):
+        variables = None if trainable_variables is None else list(trainable_variables)
+        if not _apply_in_custom_loop(self, list(grads), variables, original):
             return original(self, grads, trainable_variables)
-        trainable_variables = list(trainable_variables)
-        _build_outside_the_trace(self, trainable_variables)
-        _merge_summed(ctx, _apply_loss_scaled_sum, self, list(grads), trainable_variables, original)
 
     return apply
-
-
-def _apply_loss_scaled_sum(strategy, optimizer, sent: list, variables: list, rows, *, original, shared) -> None:
-    """Cross-replica context: sums the replicas' `grads` and applies them under `optimizer`'s loss scale.
-
-    As Keras's `LossScaleOptimizer.apply` on one device: every gradient
-    finite, the inner optimizer applies the unscaled gradient (clipped by its
-    `clipnorm` / `clipvalue` / `global_clipnorm`) and the scale grows every
-    `dynamic_growth_steps` steps; otherwise the update is skipped and the scale
-    halved.
-    """
-    from tfdist.engine import update
-
-    if _own_optimizer_per_replica(strategy, optimizer, sent, variables, rows, shared, original):
-        return
-    inner = optimizer.inner_optimizer
-    scale = update.DynamicLossScale(optimizer)
-
-    def apply_unscaled(scaled: list) -> None:
-        unscaled = scale.update(scaled)
-        if kc.clips_like_keras(inner):
-            unscaled = kc.clip_gradients(inner, unscaled)
-        update.apply_update(inner, unscaled, variables, strategy.gradient_path.placement(strategy))
-
-    scale.gate(_sum_over_replicas(strategy, sent, rows, shared), apply_unscaled)
 
 
 def _apply_to_shards(optimizer, grads: list, trainable_variables) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfdist
 from tests.engine.common import make_strategy, tiny_model
+from tests.strategies import custom_loop
 
 
 def test_precision_option_sets_the_policy_of_layers_built_in_scope_only():
@@ -85,10 +87,6 @@ def test_custom_loop_with_a_loss_scale_optimizer_trains_as_on_one_device(name, b
     # scale every 2 finite steps, and row 72 (replica 0's share of the third
     # batch) overflows the gradient to inf, so that step is skipped on every
     # replica and the scale halved.
-    import tensorflow as tf
-
-    from tests.strategies import custom_loop
-
     def optimizer_fn():
         return keras.optimizers.LossScaleOptimizer(
             keras.optimizers.Adam(0.01), initial_scale=1024.0, dynamic_growth_steps=2
