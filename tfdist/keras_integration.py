@@ -232,6 +232,8 @@ def install() -> None:
     kc.replace_method(keras.optimizers.LossScaleOptimizer, "apply", _patched_loss_scale_apply)
     # int(model.optimizer.iterations) under a strategy.
     kc.replace_number_conversions()
+    # Each replica draws its own dropout masks and augmentations.
+    kc.fold_replica_into_seeds(is_tfdist_strategy)
     # Checkpoint writes of tfdist models go to a temporary file renamed into place.
     checkpointing.install()
     if not _hooks_registered:
@@ -257,6 +259,7 @@ def uninstall() -> None:
     kc.restore_method(kc.base_optimizer_class(), "apply")
     kc.restore_method(keras.optimizers.LossScaleOptimizer, "apply")
     kc.restore_number_conversions()
+    kc.restore_seed_folding()
     kc.restore_symbolic_build()
     kc.restore_default_dtype_policy()
     checkpointing.uninstall()

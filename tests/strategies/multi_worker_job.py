@@ -115,6 +115,7 @@ def main() -> None:
     p.add_argument("--tf-keras", action="store_true", help="also train a tf-keras model")
     p.add_argument("--batchnorm", action="store_true", help="also train a model with BatchNorm (not synchronized)")
     p.add_argument("--custom-loop", action="store_true", help="also train with custom_loop.py's loop")
+    p.add_argument("--dropout-masks", action="store_true", help="also record each worker's dropout masks")
     args = p.parse_args()
 
     strategy = tfdist.get_strategy("multi_worker", collective_timeout=120.0)
@@ -167,6 +168,17 @@ def main() -> None:
         loop_model, loop_optimizer, scales = custom_loop.train(strategy, custom_loop.clipped_loss_scaled_adam, **custom_loop.EVERY_FIX)
         result["custom_loop"] = {"scales": scales, "iterations": int(loop_optimizer.iterations.numpy())}
         weights.update({f"loop_{i}": w for i, w in enumerate(loop_model.get_weights())})
+
+    if args.dropout_masks:
+        with strategy.scope():
+            dropout = keras.layers.Dropout(0.5, seed=7)
+
+        @tf.function
+        def draw():
+            return strategy.run(lambda: dropout(tf.ones((1, 64)), training=True))
+
+        result["dropout_masks"] = [strategy.experimental_local_results(draw())[0].numpy()[0].tolist()
+                                   for _ in range(2)]
 
     if args.tf_keras:
         with strategy.scope():

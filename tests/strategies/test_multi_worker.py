@@ -85,7 +85,7 @@ def two_worker_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("multi_worker")
     writers = out / "writers"
     status = run(out, "--epochs", "2", "--writers", str(writers), "--tf-data", "--tf-keras", "--batchnorm",
-                 "--custom-loop")
+                 "--custom-loop", "--dropout-masks")
     return status, out, writers
 
 
@@ -146,6 +146,26 @@ def test_batchnorm_moving_statistics_are_averaged_over_workers_as_under_mirrored
         reference = build_model("batchnorm", metrics=())
     reference.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     assert max_relative_difference(reference.get_weights(), chief) < PARITY_RTOL
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_each_worker_draws_its_own_dropout_masks(two_worker_job):
+    # Every worker's SeedGenerator state is the same, so every worker's replica
+    # drew the same dropout mask (stock tf.distribute still does). The replica
+    # of worker 1 (replica 1 of the job) folds its id into the seed; worker 0's
+    # keeps one device's draws.
+    status, out, _ = two_worker_job
+    assert status == 0
+    chief, other = results(out, "worker0")[0]["dropout_masks"], results(out, "worker1")[0]["dropout_masks"]
+    one_device = keras.layers.Dropout(0.5, seed=7)
+    folded = keras.random.SeedGenerator(0)
+    for step in range(2):
+        np.testing.assert_array_equal(chief[step], one_device(tf.ones((1, 64)), training=True).numpy()[0])
+        state = tf.constant([7, step], tf.int64)
+        folded.state.assign(tf.random.experimental.stateless_fold_in(state, tf.constant(1, tf.int64)))
+        np.testing.assert_array_equal(other[step], keras.random.dropout(tf.ones((1, 64)), 0.5, seed=folded).numpy()[0])
+        assert np.sum(np.not_equal(chief[step], other[step])) >= 16
 
 
 @pytest.mark.cluster

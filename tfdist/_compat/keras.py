@@ -428,6 +428,55 @@ def replace_number_conversions() -> None:
     replace_method(Variable, "__float__", wrapper(float))
 
 
+def fold_replica_into_seeds(applies) -> None:
+    """Each replica of a strategy `applies(strategy)` accepts draws its own random numbers.
+
+    Keras 3 layers draw from a `SeedGenerator` (`Dropout`, `GaussianNoise`,
+    `RandomFlip` and the other augmentation layers, `keras.random.*(seed=
+    generator)` in a custom `train_step`): `next()` returns the generator's
+    state `[seed, counter]` and advances the counter. Under a strategy every
+    replica holds the same state (Keras creates it with `aggregation="none"`,
+    keras-team/keras#20611, #20612) and advances it identically, so every
+    replica draws the same numbers: with N replicas one dropout mask is used N
+    times over the global batch, an augmentation layer flips or crops each
+    replica's share alike, and a GAN's `keras.random.normal(seed=...)` latent
+    batch repeats N times (stock `tf.distribute` too; TensorFlow's own
+    `tf.random.Generator` gives each replica its own stream). In a replica
+    context with more than one replica, replica r > 0 draws from
+    `tf.random.experimental.stateless_fold_in(seed, r)`; replica 0 keeps the
+    generator's own seed, so its draws are the ones one device makes for the
+    first share of the batch, and the state advances as on one device. The
+    counter still advances every step, so every replica's draws change each
+    step. Outside such a strategy (or with one replica): Keras's own `next`.
+    Verified on Keras 3.5 to 3.15 (`keras.src.random.seed_generator.SeedGenerator`).
+    """
+    from keras.src.random.seed_generator import SeedGenerator
+
+    def wrap(original):
+        @functools.wraps(original)
+        def next(self, ordered=True):
+            seed = original(self, ordered=ordered)
+            context = tf.distribute.get_replica_context()
+            if context is None or context.num_replicas_in_sync == 1 or not applies(context.strategy):
+                return seed
+            replica = context.replica_id_in_sync_group
+            if tf.get_static_value(replica) == 0:
+                return seed
+            seed = tf.convert_to_tensor(seed)
+            folded = tf.random.experimental.stateless_fold_in(seed, tf.cast(replica, seed.dtype))
+            return tf.where(tf.equal(replica, 0), seed, folded)
+
+        return next
+
+    replace_method(SeedGenerator, "next", wrap)
+
+
+def restore_seed_folding() -> None:
+    from keras.src.random.seed_generator import SeedGenerator
+
+    restore_method(SeedGenerator, "next")
+
+
 def restore_number_conversions() -> None:
     from keras.src.backend.common.variables import Variable
 
