@@ -140,3 +140,44 @@ def test_a_step_with_another_optimizer_keeps_keras_apply_and_refuses_accumulatio
         "optimizer.apply with 2 variables. Accumulate in the train_step yourself, or drop "
         "accumulation_steps."
     )
+
+
+class LoggingStep(keras.Model):
+    """A step (and test step) returning logs of its own, not the model's metrics (as a GAN's d_loss/g_loss)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"squared_error": tf.reduce_mean(tf.square(y_pred - y)), "answer": 42.0}
+
+    def test_step(self, data):
+        x, y = data
+        return {"abs_error": tf.reduce_mean(tf.abs(self(x, training=False) - y))}
+
+
+@pytest.mark.parametrize("options", [{}, {"sink_size": 3}])
+def test_logs_a_custom_step_returns_reach_the_history_as_on_one_device(options, data):
+    # tfdist dropped them: the history held {"loss": [0.0]} (the untouched
+    # loss tracker). Now they are reduced as Keras reduces them (the mean over
+    # the replicas), from the call's last step: equal to one device here,
+    # where each replica's share is half of every batch.
+    x, y = data
+    histories, evaluations = [], []
+    for strategy in (None, make_strategy("mirrored", 2, **options)):
+        model = _model(LoggingStep) if strategy is None else _scoped(strategy, LoggingStep)
+        histories.append(model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history)
+        evaluations.append(model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True))
+    one, tfdist_ = histories
+    assert sorted(tfdist_) == ["answer", "squared_error"]
+    assert tfdist_["answer"] == [42.0, 42.0]
+    np.testing.assert_allclose(tfdist_["squared_error"], one["squared_error"], rtol=1e-5)
+    assert sorted(evaluations[1]) == ["abs_error"]
+    np.testing.assert_allclose(evaluations[1]["abs_error"], evaluations[0]["abs_error"], rtol=1e-5)
+
+
+def _scoped(strategy, cls):
+    with strategy.scope():
+        return _model(cls)

@@ -61,6 +61,10 @@ class CustomTrainStep(TrainStep):
         # (graph, first op, end op) of each reduction and update, kept out of XLA.
         self._engine_ops: list = []
         self.applied = 0
+        # What the user's train_step returns, for Keras's logs (`loop.StepLogs`).
+        from tfdist.engine.loop import StepLogs
+
+        self.logs = StepLogs(self.strategy)
 
     # Phase 1 is the user's: the "batch" the gradient path hands to
     # `local_gradients` is already `[weighted grads..., weight]`.
@@ -72,9 +76,10 @@ class CustomTrainStep(TrainStep):
         with self.strategy.scope(), self._standing_in_for_apply():
             if self.jit_compile:
                 with tfc.xla_compiled_ops(skip=self._is_engine_op):
-                    self.strategy.run(self.model.train_step, args=(data,))
+                    outputs = self.strategy.run(self.model.train_step, args=(data,))
             else:
-                self.strategy.run(self.model.train_step, args=(data,))
+                outputs = self.strategy.run(self.model.train_step, args=(data,))
+            self.logs.record(outputs)
         if self.accumulation is not None and not self.applied:
             raise NotImplementedError(
                 f"accumulation_steps={self.accumulation.k} with a custom train_step needs "
