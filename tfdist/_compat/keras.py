@@ -542,6 +542,65 @@ def keras_losses_unscaled():
     return scope()
 
 
+_reduction_records: dict = {}
+
+
+def recording_loss_reductions():
+    """Context in which each Keras loss object's reduction is recorded: yields the list of records.
+
+    A record per `Loss.__call__` (Keras's compiled loss calls one per output),
+    in this thread (MirroredStrategy traces replicas in threads):
+
+    * `("sum", None)`: reduction `"sum"`, `"none"` or None — the replica's
+      loss is a sum over its share, which Keras does not divide by the
+      replica count;
+    * `("tokens", count)`: a mean (`"sum_over_batch_size"`, `"mean"`) over a
+      mask's entries (a sequence model's padding mask, `Embedding(mask_zero=
+      True)`): Keras divides by this replica's count of unmasked entries
+      (`keras.src.losses.loss.apply_mask`), one device by the whole batch's;
+      `count` is that float32 count;
+    * `("rows", None)`: any other reduction (a mean over the replica's rows).
+
+    Wraps `keras.src.losses.loss.reduce_weighted_values` once (it defers to
+    Keras and records nothing outside the context). Verified on Keras 3.5 to
+    3.15.
+    """
+    from keras.src.losses import loss as loss_module
+
+    if "state" not in _reduction_records:
+        state = threading.local()
+        original = loss_module.reduce_weighted_values
+
+        @functools.wraps(original)
+        def reduce_weighted_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size",
+                                   dtype=None):
+            records = getattr(state, "records", None)
+            if records is not None:
+                kind = loss_module.standardize_reduction(reduction)
+                if kind in (None, "none", "sum"):
+                    records.append(("sum", None))
+                elif mask is not None and kind in ("sum_over_batch_size", "mean"):
+                    records.append(("tokens", tf.reduce_sum(tf.cast(mask, tf.float32))))
+                else:
+                    records.append(("rows", None))
+            return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+
+        loss_module.reduce_weighted_values = reduce_weighted_values
+        _reduction_records["state"] = state
+    state = _reduction_records["state"]
+
+    @contextlib.contextmanager
+    def scope():
+        outer = getattr(state, "records", None)
+        state.records = []
+        try:
+            yield state.records
+        finally:
+            state.records = outer
+
+    return scope()
+
+
 def build_optimizer(optimizer, variables: Sequence) -> None:
     """Runs the user's optimizer class's own `build` (not the sharded one)."""
     unsharded_class(optimizer).build(optimizer, list(variables))

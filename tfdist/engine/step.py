@@ -48,6 +48,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
+import warnings
 from typing import Any, Callable
 
 import keras
@@ -301,6 +303,9 @@ class TrainStep:
         # held in shards: the sharded optimizer's stage 3, `gathers_parameters`)
         # its value gathered whole before the pass, an input of the program.
         self._compiled_forward_backward: dict[int, Callable] = {}
+        # Per replica thread: the weight the last traced pass chose from its
+        # loss (`_loss_weight`), or None for the batch's rows.
+        self._pass = threading.local()
         self.gathers_parameters = self.strategy.gradient_path.gathers_parameters
         # The sharded optimizer's layer units (`tfdist.engine.gather`). Stage 3: each top-level
         # layer gathers its own variables. Stages 1 and 2 on one host, in a plain `fit` step (no
@@ -348,13 +353,55 @@ class TrainStep:
                 tape.watch(sources)
             self._read_regularized_here()
             y_pred = kc.call_model(model, x, training=True)
-            loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+            with kc.recording_loss_reductions() as reductions:
+                loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+            self._pass.weight = self._loss_weight(reductions)
             scaled = self.loss_scale.scale_loss(loss) if self.loss_scale else loss
             if self.update_optimizer.loss_scale_factor is not None:
                 scaled = scaled * self.update_optimizer.loss_scale_factor
             if weight_factor is not None:
+                if self._pass.weight is not None:
+                    weight_factor = self._pass.weight * float(self.strategy.num_replicas_in_sync)
                 scaled = scaled * tf.cast(weight_factor, scaled.dtype)
         return y_pred, loss, self.gradients(tape, scaled, sources)
+
+    def _loss_weight(self, reductions: list):
+        """This replica's weight for the loss Keras computed, or None for its batch's rows.
+
+        The engine weights each replica's loss and divides the replicas' sum by
+        the summed weights. Rows are exact for means over the rows (Keras's
+        default reduction) and for what does not depend on the batch (weight
+        regularizers). Two losses are not means over rows (`_compat.keras.
+        recording_loss_reductions`): a sum (reduction `"sum"` or `"none"`;
+        Keras leaves it undivided, so each replica sends its own with weight
+        1/N, and the sum is one device's) and a mean over the unmasked entries
+        of a padding mask (weighted by the replica's count of them, so the
+        result is the mean over the whole batch's unmasked entries, as on one
+        device, however unevenly the padding falls on the replicas). Where a
+        model's losses mix such reductions (a sum and a mean, or masks on two
+        outputs) no one weight is exact: rows, as `tf.distribute`, with a
+        warning.
+        """
+        kinds = {kind for kind, _ in reductions}
+        if not kinds or kinds == {"rows"}:
+            return None
+        if kinds == {"sum"}:
+            return tf.constant(1.0 / self.strategy.num_replicas_in_sync)
+        if len(reductions) == 1:
+            return reductions[0][1]
+        if not getattr(self, "_warned_mixed_reductions", False):
+            self._warned_mixed_reductions = True
+            described = {"rows": "a mean over rows", "sum": "a sum", "tokens": "a mean over a padding mask's entries"}
+            found = ", ".join(described[kind] for kind, _ in reductions)
+            warnings.warn(
+                f"The losses of model '{self.model.name}' mix reductions that need different weights "
+                f"across replicas ({found}); tfdist weights each replica by its rows, which is exact "
+                "only where every replica's share holds the same number of rows and of unmasked "
+                "entries. Give every output a mean loss over rows, or the model one summed or masked "
+                "loss, for gradients equal to one device's.",
+                stacklevel=2,
+            )
+        return None
 
     def _read_regularized_here(self) -> None:
         """In a `keras.StatelessScope` that does not map them: maps the regularized variables to values read here.
@@ -519,9 +566,22 @@ class TrainStep:
         """
         replica = int(tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group))
         if replica not in self._compiled_forward_backward:
-            self._compiled_forward_backward[replica] = tf.function(
-                self._stateless_forward_backward, jit_compile=True, autograph=False, reduce_retracing=True
-            )
+            rows = {}  # whether the traced pass weighs by rows (`_loss_weight` None)
+
+            def weighed(*args):
+                outputs = self._stateless_forward_backward(*args)
+                rows["traced"] = self._pass.weight is None
+                return (*outputs, tf.constant(0.0) if self._pass.weight is None else self._pass.weight)
+
+            compiled = tf.function(weighed, jit_compile=True, autograph=False, reduce_retracing=True)
+
+            def call(*args):
+                # The weight the pass chose leaves the program as an output.
+                *outputs, weight = compiled(*args)
+                self._pass.weight = None if rows["traced"] else weight
+                return tuple(outputs)
+
+            self._compiled_forward_backward[replica] = call
         return self._compiled_forward_backward[replica]
 
     def _stateful_variables(self) -> list:
@@ -581,9 +641,11 @@ class TrainStep:
         batch = _first_batch_dim(x)
         weighted = not (self.strategy.num_replicas_in_sync == 1 and self.accumulation is None)
         weight = factor = None
+        self._pass.weight = None
         if weighted:
             # Keras divided the loss by the replica count; undo that and weight
-            # by this replica's batch size instead (exact for uneven splits).
+            # by this replica's batch size instead (exact for uneven splits),
+            # or by what the pass's loss is a mean over (`_loss_weight`).
             weight = tf.cast(batch, tf.float32)
             factor = weight * float(self.strategy.num_replicas_in_sync)
         # On the loss, unless a loss scale is dynamic (the factor would reach
@@ -606,6 +668,9 @@ class TrainStep:
                 y_pred, loss, grads = self._forward_backward(x, y, sample_weight, on_loss)
         else:
             y_pred, loss, grads = self._forward_backward(x, y, sample_weight, on_loss)
+        if weighted and self._pass.weight is not None:
+            weight = self._pass.weight
+            factor = weight * float(self.strategy.num_replicas_in_sync)
         kc.track_loss(self.model, loss, batch)
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         grads = self.overwrite_from_replicas(grads)

@@ -1,0 +1,137 @@
+"""Replicas weighted by what each loss is a mean (or sum) over: parity with one device.
+
+The engine weights each replica's loss and divides the replicas' sum by the
+summed weights. By rows, that is exact for Keras's default reduction (a mean
+over the rows) however unevenly a batch splits. Two other reductions need
+other weights (`TrainStep._loss_weight`): a sum (reduction "sum" or "none",
+which Keras does not divide by the replica count) and a mean over a padding
+mask's unmasked entries (Keras divides by each replica's own count). Before,
+both were weighted by rows: 0.76 relative from one device after 2 steps of a
+summed MSE whose last batch split 2/1, and 2.64 after 2 epochs of a masked
+LSTM whose replicas held 2 and 10 tokens per row (stock tf.distribute: exact
+for the sum, 2.64 for the mask).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from tests.conftest import max_relative_difference
+from tests.engine.common import make_strategy
+
+STRATEGIES = [
+    ("mirrored", {}), ("central_storage", {}), ("sharded_optimizer", {}),
+    ("sharded_optimizer", {"stage": 3}),
+]
+
+
+def _fit(strategy, build, x, y, **fit_kwargs):
+    keras.utils.set_random_seed(0)
+    if strategy is None:
+        model = build()
+    else:
+        with strategy.scope():
+            model = build()
+    model.fit(x, y, shuffle=False, verbose=0, **fit_kwargs)
+    return model
+
+
+class SummedSquares(keras.losses.Loss):
+    """A custom loss of reduction "none": per-example values, summed by the tape."""
+
+    def __init__(self):
+        super().__init__(reduction="none")
+
+    def call(self, y_true, y_pred):
+        return keras.ops.sum(keras.ops.square(y_true - y_pred), axis=-1)
+
+
+@pytest.mark.parametrize("name, options", STRATEGIES)
+@pytest.mark.parametrize("loss", ["sum", "none"])
+def test_a_summed_loss_matches_one_device_on_unevenly_split_batches(loss, name, options):
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(23, 6)).astype("float32")
+    y = rng.normal(size=(23, 2)).astype("float32")
+
+    def build():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+        summed = keras.losses.MeanSquaredError(reduction="sum") if loss == "sum" else SummedSquares()
+        model.compile(optimizer=keras.optimizers.SGD(0.005), loss=summed)
+        return model
+
+    # Batches of 8, 8 and 7: the last splits 4/3 over 2 replicas.
+    one = _fit(None, build, x, y, batch_size=8, epochs=2)
+    model = _fit(make_strategy(name, 2, **options), build, x, y, batch_size=8, epochs=2)
+    assert max_relative_difference(one.get_weights(), model.get_weights()) < 1e-5
+
+
+def _masked_tokens(n=64, steps=10):
+    """Rows whose first half of every batch of 16 holds 2 tokens and second half 10: replica 0 and 1 differ."""
+    rng = np.random.RandomState(7)
+    x = rng.randint(1, 20, size=(n, steps)).astype("int32")
+    for i, length in enumerate(np.where((np.arange(n) % 16) < 8, 2, 10)):
+        x[i, length:] = 0
+    return x, (x % 3).astype("int32")
+
+
+def _masked_lstm(embedding: bool):
+    layers = keras.layers
+    if embedding:
+        head = [keras.Input((10,), dtype="int32"), layers.Embedding(20, 8, mask_zero=True)]
+    else:
+        head = [keras.Input((10, 1)), layers.Masking(0.0)]
+    model = keras.Sequential(head + [layers.LSTM(8, return_sequences=True), layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("name, options", STRATEGIES + [("mirrored", {"accumulation_steps": 2})])
+def test_a_masked_sequence_loss_matches_one_device_when_replicas_hold_different_token_counts(name, options):
+    x, y = _masked_tokens()
+    kwargs = dict(batch_size=16, epochs=2)
+    one = _fit(None, lambda: _masked_lstm(True), x, y, **kwargs)
+    if options.get("accumulation_steps"):
+        # Accumulation: a window of 2 micro-batches of 16 is one step of the 32-row batch.
+        one = _fit(None, lambda: _masked_lstm(True), x, y, batch_size=32, epochs=2)
+    model = _fit(make_strategy(name, 2, **options), lambda: _masked_lstm(True), x, y, **kwargs)
+    assert max_relative_difference(one.get_weights(), model.get_weights()) < 1e-5
+
+
+def test_a_masked_loss_under_xla_matches_one_device():
+    # No Embedding: each replica's pass is one compiled program, and the weight
+    # it chose leaves the program as an output.
+    x, y = _masked_tokens()
+    x = x[..., None].astype("float32")
+    one = _fit(None, lambda: _masked_lstm(False), x, y, batch_size=16, epochs=1)
+    model = _fit(make_strategy("mirrored", 2, jit_compile=True), lambda: _masked_lstm(False), x, y,
+                 batch_size=16, epochs=1)
+    assert max_relative_difference(one.get_weights(), model.get_weights()) < 1e-5
+
+
+def test_losses_of_mixed_reductions_are_weighted_by_rows_with_a_warning():
+    rng = np.random.RandomState(1)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    ys = [rng.normal(size=(16, 1)).astype("float32") for _ in range(2)]
+
+    def build():
+        inputs = keras.Input((4,))
+        outputs = [keras.layers.Dense(1, name="a")(inputs), keras.layers.Dense(1, name="b")(inputs)]
+        model = keras.Model(inputs, outputs, name="two_heads")
+        model.compile(optimizer="sgd", loss={"a": keras.losses.MeanSquaredError(reduction="sum"), "b": "mse"})
+        return model
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(make_strategy("mirrored", 2), build, x, {"a": ys[0], "b": ys[1]}, batch_size=8)
+    messages = [str(w.message) for w in caught if "mix reductions" in str(w.message)]
+    assert messages == [
+        "The losses of model 'two_heads' mix reductions that need different weights across replicas (a sum, a "
+        "mean over rows); tfdist weights each replica by its rows, which is exact only where every replica's "
+        "share holds the same number of rows and of unmasked entries. Give every output a mean loss over rows, "
+        "or the model one summed or masked loss, for gradients equal to one device's."
+    ]
