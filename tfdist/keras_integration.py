@@ -755,8 +755,10 @@ def _apply_to_shards(optimizer, grads: list, trainable_variables) -> None:
             f"optimizer.apply() of {optimizer.name!r} was called in a replica of "
             f"{ctx.num_replicas_in_sync} on variables held in shards (the 'sharded_optimizer' strategy at "
             "stage=3): a custom training loop would update them once per replica with that replica's "
-            "gradients. Train with model.fit (a custom train_step works: its optimizer.apply goes through "
-            "tfdist's step), or use stage=2 for a custom training loop."
+            "gradients. Train with model.fit (a custom train_step whose optimizer.apply takes the model's "
+            "optimizer and all of model.trainable_variables goes through tfdist's step; another optimizer, "
+            "or the model's on part of the variables, as a GAN's two optimizers, is refused here), or use "
+            "stage=2 for a custom training loop or a GAN."
         )
     if trainable_variables is None:
         if len(grads) != len(kc.optimizer_trainable_variables(optimizer)):

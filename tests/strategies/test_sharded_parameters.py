@@ -491,8 +491,10 @@ def test_custom_training_loop_applying_per_replica_is_refused(data10):
     message = (
         f"optimizer.apply() of {model.optimizer.name!r} was called in a replica of 2 on variables held in "
         "shards (the 'sharded_optimizer' strategy at stage=3): a custom training loop would update them "
-        "once per replica with that replica's gradients. Train with model.fit (a custom train_step works: "
-        "its optimizer.apply goes through tfdist's step), or use stage=2 for a custom training loop."
+        "once per replica with that replica's gradients. Train with model.fit (a custom train_step whose "
+        "optimizer.apply takes the model's optimizer and all of model.trainable_variables goes through "
+        "tfdist's step; another optimizer, or the model's on part of the variables, as a GAN's two "
+        "optimizers, is refused here), or use stage=2 for a custom training loop or a GAN."
     )
     # tf.function adds the user's frame ("in user code: ...") before the message.
     with pytest.raises(NotImplementedError, match=re.escape(message) + "$"):
