@@ -7,9 +7,11 @@ other weights (`TrainStep._loss_weight`): a sum (reduction "sum" or "none",
 which Keras does not divide by the replica count) and a mean over a padding
 mask's unmasked entries (Keras divides by each replica's own count). Before,
 both were weighted by rows: 0.76 relative from one device after 2 steps of a
-summed MSE whose last batch split 2/1, and 2.64 after 2 epochs of a masked
-LSTM whose replicas held 2 and 10 tokens per row (stock tf.distribute: exact
-for the sum, 2.64 for the mask).
+summed MSE whose last batch split 2/1, 2.64 after 2 epochs of a masked LSTM
+whose replicas held 2 and 10 tokens per row (stock tf.distribute: exact for
+the sum, 2.64 for the mask), and 0.55 for a mean over sample weights
+(reduction "mean_with_sample_weight", stock alike) when one replica's rows
+weigh 15 times the other's.
 """
 
 from __future__ import annotations
@@ -66,6 +68,26 @@ def test_a_summed_loss_matches_one_device_on_unevenly_split_batches(loss, name, 
     # Batches of 8, 8 and 7: the last splits 4/3 over 2 replicas.
     one = _fit(None, build, x, y, batch_size=8, epochs=2)
     model = _fit(make_strategy(name, 2, **options), build, x, y, batch_size=8, epochs=2)
+    assert max_relative_difference(one.get_weights(), model.get_weights()) < 1e-5
+
+
+@pytest.mark.parametrize("name, options", STRATEGIES[:2])
+def test_a_mean_over_sample_weights_matches_one_device(name, options):
+    # Keras divides by each replica's total sample weight; weighted by rows the
+    # replicas' means were 0.55 relative from one device after 2 epochs here.
+    rng = np.random.RandomState(2)
+    x = rng.normal(size=(40, 6)).astype("float32")
+    y = rng.normal(size=(40, 2)).astype("float32")
+    w = np.where(np.arange(40) % 16 < 8, 0.2, 3.0).astype("float32")  # replica 0 light, replica 1 heavy
+
+    def build():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
+        return model
+
+    one = _fit(None, build, x, y, sample_weight=w, batch_size=16, epochs=2)
+    model = _fit(make_strategy(name, 2, **options), build, x, y, sample_weight=w, batch_size=16, epochs=2)
     assert max_relative_difference(one.get_weights(), model.get_weights()) < 1e-5
 
 

@@ -559,6 +559,9 @@ def recording_loss_reductions():
       True)`): Keras divides by this replica's count of unmasked entries
       (`keras.src.losses.loss.apply_mask`), one device by the whole batch's;
       `count` is that float32 count;
+    * `("weights", total)`: reduction `"mean_with_sample_weight"` with sample
+      weights (or a mask): Keras divides by this replica's total weight, one
+      device by the whole batch's;
     * `("rows", None)`: any other reduction (a mean over the replica's rows).
 
     Wraps `keras.src.losses.loss.reduce_weighted_values` once (it defers to
@@ -581,6 +584,14 @@ def recording_loss_reductions():
                     records.append(("sum", None))
                 elif mask is not None and kind in ("sum_over_batch_size", "mean"):
                     records.append(("tokens", tf.reduce_sum(tf.cast(mask, tf.float32))))
+                elif kind == "mean_with_sample_weight" and (sample_weight is not None or mask is not None):
+                    # Keras's divisor: the sample weights (times the mask) as they meet the values.
+                    weights = loss_module.apply_mask(
+                        None if sample_weight is None else tf.cast(sample_weight, tf.float32), mask,
+                        dtype=tf.float32, reduction=kind,
+                    )
+                    _, weights = loss_module.squeeze_or_expand_to_same_rank(tf.cast(values, tf.float32), weights)
+                    records.append(("weights", tf.reduce_sum(weights)))
                 else:
                     records.append(("rows", None))
             return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)

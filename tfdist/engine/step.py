@@ -377,7 +377,9 @@ class TrainStep:
         1/N, and the sum is one device's) and a mean over the unmasked entries
         of a padding mask (weighted by the replica's count of them, so the
         result is the mean over the whole batch's unmasked entries, as on one
-        device, however unevenly the padding falls on the replicas). Where a
+        device, however unevenly the padding falls on the replicas), or over
+        sample weights (`"mean_with_sample_weight"`: weighted by the
+        replica's total sample weight). Where a
         model's losses mix such reductions (a sum and a mean, or masks on two
         outputs) no one weight is exact: rows, as `tf.distribute`, with a
         warning.
@@ -391,7 +393,8 @@ class TrainStep:
             return reductions[0][1]
         if not getattr(self, "_warned_mixed_reductions", False):
             self._warned_mixed_reductions = True
-            described = {"rows": "a mean over rows", "sum": "a sum", "tokens": "a mean over a padding mask's entries"}
+            described = {"rows": "a mean over rows", "sum": "a sum", "tokens": "a mean over a padding mask's entries",
+                         "weights": "a mean over sample weights"}
             found = ", ".join(described[kind] for kind, _ in reductions)
             warnings.warn(
                 f"The losses of model '{self.model.name}' mix reductions that need different weights "
