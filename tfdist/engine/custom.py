@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
-from tfdist.engine.step import TrainStep, _scale, with_variable_shapes
+from tfdist.engine.step import StepLogs, TrainStep, _scale, with_variable_shapes
 
 
 class CustomTrainStep(TrainStep):
@@ -61,9 +61,7 @@ class CustomTrainStep(TrainStep):
         # (graph, first op, end op) of each reduction and update, kept out of XLA.
         self._engine_ops: list = []
         self.applied = 0
-        # What the user's train_step returns, for Keras's logs (`loop.StepLogs`).
-        from tfdist.engine.loop import StepLogs
-
+        # What the user's train_step returns, for Keras's logs (`step.StepLogs`).
         self.logs = StepLogs(self.strategy)
 
     # Phase 1 is the user's: the "batch" the gradient path hands to

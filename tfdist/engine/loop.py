@@ -349,56 +349,6 @@ def packed_metrics_result(model) -> dict:
     return step_lib.metrics_result_from_state(model, variables, summed)
 
 
-class StepLogs:
-    """The logs a model's own `train_step` or `test_step` returns, kept for Keras's `fit`/`evaluate`.
-
-    Keras's train function returns the step's logs (their mean over the
-    replicas), and `fit` shows them where their keys
-    differ from the model's metrics (a GAN's `{"d_loss": ..., "g_loss": ...}`
-    computed in its `train_step`). A host call may run several steps in an
-    on-device loop, so each step writes its reduced logs into variables
-    (created at the first trace, one per key) and the call returns them after
-    its last step, as Keras returns the last step's logs.
-    """
-
-    def __init__(self, strategy):
-        self.strategy = strategy
-        self._variables: dict = {}
-        self.traced = None  # the variables the step being traced writes, or None
-
-    def record(self, outputs):
-        """Cross-replica context: writes the replicas' step outputs; returns the write (or None)."""
-        self.traced = None
-        if not isinstance(outputs, dict) or not outputs:
-            return None
-        reduced = {k: self._mean_over_replicas(v) for k, v in outputs.items()}
-        key = tuple(sorted((k, v.dtype.name) for k, v in reduced.items()))
-        variables = self._variables.get(key)
-        if variables is None:
-            with tf.init_scope():
-                variables = {
-                    k: tf.Variable(tf.zeros([], v.dtype), shape=tf.TensorShape(None), trainable=False,
-                                   name=f"step_log_{i}")
-                    for i, (k, v) in enumerate(sorted(reduced.items()))
-                }
-            self._variables[key] = variables
-        self.traced = variables
-        return tf.group([variables[k].assign(v) for k, v in reduced.items()])
-
-    def _mean_over_replicas(self, value) -> tf.Tensor:
-        # Keras's "auto" reduction of a step's logs (the mean over the replicas,
-        # across workers too; `keras.src.backend.tensorflow.trainer.reduce_per_replica`).
-        if isinstance(value, tf.distribute.DistributedValues):
-            return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
-        return tf.convert_to_tensor(value)
-
-    def result_or(self, metrics: dict) -> dict:
-        """The step's logs (read after its last write), or `metrics` where the step returned none or their keys."""
-        if self.traced is None or set(self.traced) == set(metrics):
-            return metrics
-        return {k: v.read_value() for k, v in self.traced.items()}
-
-
 def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callable:
     """Returns `function(iterator) -> logs` running up to `steps_per_call` steps.
 
@@ -648,7 +598,7 @@ def make_train_function(model):
 def make_test_function(model):
     """The function Keras's `evaluate` calls per host call, for a tfdist model."""
     strategy = model.distribute_strategy
-    logs = StepLogs(strategy) if kc.has_custom_test_step(model) else None
+    logs = step_lib.StepLogs(strategy) if kc.has_custom_test_step(model) else None
 
     def step_fn(data):
         outputs = strategy.run(model.test_step, args=(data,))

@@ -899,3 +899,53 @@ def reduce_to_variables(step, data) -> None:
 
 ALL_REDUCE = GradientPath("all_reduce", all_reduce, local_with_one_replica=True)
 REDUCE_TO_VARIABLES = GradientPath("reduce_to_variables", reduce_to_variables, variables_on_replicas=False)
+
+
+class StepLogs:
+    """The logs a model's own `train_step` or `test_step` returns, kept for Keras's `fit`/`evaluate`.
+
+    Keras's train function returns the step's logs (their mean over the
+    replicas), and `fit` shows them where their keys
+    differ from the model's metrics (a GAN's `{"d_loss": ..., "g_loss": ...}`
+    computed in its `train_step`). A host call may run several steps in an
+    on-device loop, so each step writes its reduced logs into variables
+    (created at the first trace, one per key) and the call returns them after
+    its last step, as Keras returns the last step's logs.
+    """
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self._variables: dict = {}
+        self.traced = None  # the variables the step being traced writes, or None
+
+    def record(self, outputs):
+        """Cross-replica context: writes the replicas' step outputs; returns the write (or None)."""
+        self.traced = None
+        if not isinstance(outputs, dict) or not outputs:
+            return None
+        reduced = {k: self._mean_over_replicas(v) for k, v in outputs.items()}
+        key = tuple(sorted((k, v.dtype.name) for k, v in reduced.items()))
+        variables = self._variables.get(key)
+        if variables is None:
+            with tf.init_scope():
+                variables = {
+                    k: tf.Variable(tf.zeros([], v.dtype), shape=tf.TensorShape(None), trainable=False,
+                                   name=f"step_log_{i}")
+                    for i, (k, v) in enumerate(sorted(reduced.items()))
+                }
+            self._variables[key] = variables
+        self.traced = variables
+        return tf.group([variables[k].assign(v) for k, v in reduced.items()])
+
+    def _mean_over_replicas(self, value) -> tf.Tensor:
+        # Keras's "auto" reduction of a step's logs (the mean over the replicas,
+        # across workers too; `keras.src.backend.tensorflow.trainer.reduce_per_replica`).
+        if isinstance(value, tf.distribute.DistributedValues):
+            return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+        return tf.convert_to_tensor(value)
+
+    def result_or(self, metrics: dict) -> dict:
+        """The step's logs (read after its last write), or `metrics` where the step returned none or their keys."""
+        if self.traced is None or set(self.traced) == set(metrics):
+            return metrics
+        return {k: v.read_value() for k, v in self.traced.items()}
