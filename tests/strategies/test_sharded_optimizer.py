@@ -644,6 +644,42 @@ def test_weights_of_another_optimizer_or_none_load_and_keep_the_state_as_keras_d
         assert max_relative_difference(state, canonical(model)) == 0.0
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_load_weights_between_compile_and_fit_keeps_the_new_optimizer_as_keras_does(stage, tmp_path, data10):
+    # Fine-tuning: compile with a new optimizer, load pretrained weights, fit.
+    # On one device the optimizer is unbuilt at load_weights, and Keras keeps
+    # its state with a warning; stages 1 and 2 built it at compile and took
+    # the pretrained run's (learning rate 0.01, 2 iterations, its moments).
+    x, y = data10
+    pretrained = train(None, lambda: keras.optimizers.Adam(1e-2), x[:64], y[:64])
+    path = str(tmp_path / "pretrained.weights.h5")
+    pretrained.save_weights(path)
+    expected = (
+        "Skipping variable loading for optimizer 'adam', because it has 2 variables whereas the saved "
+        "optimizer has 10 variables. "
+    )
+
+    def fine_tuned(strategy):
+        with strategy.scope():
+            model = build_model(seed=1, optimizer=keras.optimizers.Adam(1e-3, name="adam"))
+            with pytest.warns(UserWarning) as record:
+                model.load_weights(path)
+        assert [str(w.message) for w in record if "optimizer" in str(w.message)] == [expected]
+        assert model.optimizer.learning_rate.numpy() == np.float32(1e-3)
+        assert model.optimizer.iterations.numpy() == 0
+        model.fit(x[:64], y[:64], batch_size=32, shuffle=False, verbose=0)
+        return model
+
+    one, tuned = fine_tuned(tf.distribute.get_strategy()), fine_tuned(sharded(2, stage))
+    assert tuned.optimizer.iterations.numpy() == 2
+    assert max_relative_difference(one.get_weights(), tuned.get_weights()) < 1e-5
+    assert max_relative_difference(canonical(one), canonical(tuned)) < 1e-5
+    # Once Keras would have built it (fit), the file's optimizer state loads, as on one device.
+    tuned.load_weights(path)
+    assert tuned.optimizer.iterations.numpy() == 2 and tuned.optimizer.learning_rate.numpy() == np.float32(1e-2)
+    assert max_relative_difference(canonical(pretrained), canonical(tuned)) == 0.0
+
+
 def test_optimizer_state_of_another_shape_raises_and_leaves_the_model_untouched(tmp_path, data10):
     x, y = data10
     model = built(sharded(2, stage=2), lambda: keras.optimizers.Adam(1e-3))

@@ -211,9 +211,18 @@ class _ShardedStrategyMixin:
                 # slot list never reached the sharded state's own: the moments were
                 # dropped silently (tests/strategies/test_sharded_optimizer.py).
                 model.optimizer.build(model.trainable_variables)
+                # Ahead of Keras, which builds it at the first fit: until then
+                # `load_weights` treats it as Keras treats an unbuilt one.
+                kc.sharded_state(model.optimizer).built_ahead = True
         if not getattr(model, "_tfdist_load_guarded", False):
             kc.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
             object.__setattr__(model, "_tfdist_load_guarded", True)
+
+    def on_keras_build(self, model) -> None:
+        """Keras would build an unbuilt optimizer here: one built at `compile` now loads state as any built one."""
+        state = kc.sharded_state(model.optimizer) if model.optimizer is not None else None
+        if state is not None:
+            state.built_ahead = False
 
     @property
     def shards_optimizer_state(self) -> bool:
@@ -244,7 +253,9 @@ class _ShardedStrategyMixin:
                 f"{len(optimizer.variables)} variables), so it cannot be sharded. Pass a new, "
                 "unbuilt optimizer to model.compile() under the 'sharded_optimizer' strategy."
             )
-        state = ShardedState(self, optimizer, under_loss_scale=wrapper is not None)
+        # What Keras's `load_weights` loads into the unbuilt optimizer (iterations, learning rate).
+        unbuilt = list((wrapper if wrapper is not None else optimizer).variables)
+        state = ShardedState(self, optimizer, under_loss_scale=wrapper is not None, unbuilt_variables=unbuilt)
         kc.make_sharded_optimizer(optimizer, state, loss_scale_optimizer=wrapper)
 
 
@@ -501,7 +512,10 @@ class ShardedState:
         variables: the model's trainable variables, in layout order.
     """
 
-    def __init__(self, strategy: ShardedOptimizerStrategy, optimizer, under_loss_scale: bool = False):
+    def __init__(
+        self, strategy: ShardedOptimizerStrategy, optimizer, under_loss_scale: bool = False,
+        unbuilt_variables: Sequence = (),
+    ):
         self.strategy = strategy
         self.optimizer = optimizer
         # Wrapped by a LossScaleOptimizer (mixed_float16): the engine's step
@@ -521,11 +535,20 @@ class ShardedState:
         self.largest_group = 0
         # Whether the slots were put in copy-on-read mode for chunked updates (`_updates_by_chunk`).
         self._slots_chunked = False
+        # Built by `compile` (`on_compile`) before Keras would build it (the first
+        # fit, evaluate, train_on_batch or test_on_batch, `optimizer.build`, `apply`):
+        # until then `load_weights` loads as into the unbuilt optimizer (`loads_as_unbuilt`).
+        self.built_ahead = False
+        # The variables the optimizer (or its LossScaleOptimizer) held unbuilt.
+        self.unbuilt_variables = list(unbuilt_variables)
 
     # What the sharded optimizer class calls ----------------------------------
     def build(self, variables) -> None:
         optimizer = self.optimizer
         if optimizer.built:
+            # Built again by its owner (the user before a restore, Keras's
+            # `compile_from_config` in `load_model`): as on one device, it now loads state.
+            self.built_ahead = False
             return
         variables = list(variables)
         bad = [v for v in variables if tf.as_dtype(v.dtype) != tf.float32]
@@ -639,6 +662,8 @@ class ShardedState:
 
     def load_own_variables(self, store) -> None:
         """Loads a single-device-layout optimizer state, resharding it onto this replica count."""
+        if self.loads_as_unbuilt(store, self.optimizer.name):
+            return
         if self.layout is None:
             raise ValueError(
                 f"The optimizer {self.optimizer.name!r} of a 'sharded_optimizer' model is not "
@@ -647,6 +672,33 @@ class ShardedState:
             )
         if not self.skips_other_state(len(store.keys())):
             self.load_canonical_values([store[str(i)] for i in range(len(store.keys()))])
+
+    def loads_as_unbuilt(self, store, name: str) -> bool:
+        """Keras's `load_own_variables` of the unbuilt optimizer, when this one was built ahead of Keras; whether it ran.
+
+        On one device the optimizer is unbuilt from `compile` to the first
+        `fit` (or `evaluate`, `train_on_batch`, `optimizer.build`), and Keras's
+        `load_weights` there loads a file's optimizer variables only where it
+        holds as many as the unbuilt optimizer (iterations, learning rate);
+        otherwise it keeps the optimizer's state with its warning. Fine-tuning
+        (compile with a new optimizer, load pretrained weights, fit) so keeps
+        the new learning rate, a step count of 0 and zero moments; before,
+        stages 1 and 2 took the pretrained run's. `name`: the optimizer Keras
+        loads (a LossScaleOptimizer's, under mixed_float16).
+        """
+        if not self.built_ahead:
+            return False
+        unbuilt = self.unbuilt_variables
+        if len(store.keys()) != len(unbuilt):
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{name}', because it has {len(unbuilt)} "
+                f"variables whereas the saved optimizer has {len(store.keys())} variables. ",
+                stacklevel=4,
+            )
+            return True
+        for i, variable in enumerate(unbuilt):
+            variable.assign(store[str(i)])
+        return True
 
     def skips_other_state(self, saved: int, own: int = 0) -> bool:
         """True, with Keras's warning, when a file holds another number of optimizer variables than this one.
@@ -1155,6 +1207,7 @@ class ShardedState:
             )
         grads = list(grads)
         optimizer = self.optimizer
+        self.built_ahead = False  # on one device `apply` builds it
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
             if not optimizer.built:
