@@ -1375,6 +1375,33 @@ def test_tf_train_checkpoint_of_each_optimizers_slot_lists_has_one_devices_keys_
     assert max_relative_difference(canonical(uninterrupted), canonical(resumed)) < 1e-5
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_saved_model_loads_serves_as_predict_and_holds_the_single_device_state(stage, tmp_path, data10):
+    # Before: tf.saved_model.save wrote the flat variable (declared [1, 1205],
+    # holding [0]) and one replica's slices, and tf.saved_model.load raised
+    # "Received incompatible tensor with shape (0,) ... tfdist_parameter_shard:0".
+    x, y = data10
+    adam = lambda: keras.optimizers.Adam(1e-3)  # noqa: E731
+    model = train(sharded(2, stage), adam, x[:64], y[:64])
+    single = train(None, adam, x[:64], y[:64])
+    tf.saved_model.save(model, str(tmp_path / "sharded"))
+    tf.saved_model.save(single, str(tmp_path / "single"))
+    variables = str(tmp_path / "sharded" / "variables" / "variables")
+    assert tf.train.list_variables(variables) == tf.train.list_variables(
+        str(tmp_path / "single" / "variables" / "variables")
+    )
+    serve = tf.saved_model.load(str(tmp_path / "sharded")).signatures["serving_default"]
+    (name,) = serve.structured_input_signature[1]
+    (served,) = serve(**{name: tf.constant(x[:16])}).values()
+    np.testing.assert_allclose(served.numpy(), model.predict(x[:16], verbose=0), rtol=0, atol=1e-6)
+    # Adam's state as a single-device optimizer holds it (each variable saved under its first path).
+    reader = tf.train.load_checkpoint(variables)
+    keys = ["_iterations", "_learning_rate"] + [f"_variables/{i}" for i in range(2, 10)]
+    saved = [reader.get_tensor(f"optimizer/{key}/.ATTRIBUTES/VARIABLE_VALUE") for key in keys]
+    assert max_relative_difference(canonical(model), saved) == 0.0
+    assert max_relative_difference(canonical(single), saved) < 1e-5
+
+
 def test_recompiling_the_same_optimizer_after_trainable_changed_is_a_clear_error(data10):
     # Before: "Dimensions must be equal, but are 192 and 234" (or an IndexError) at the next fit.
     x, y = data10

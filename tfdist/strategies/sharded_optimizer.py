@@ -719,12 +719,23 @@ class ShardedState:
         return True
 
     def trackable_children(self, save_type="checkpoint", **kwargs) -> dict:
-        """tf.train.Checkpoint: the children a single-device Keras optimizer has."""
+        """`tf.train.Checkpoint` and `tf.saved_model.save`: the children a single-device Keras optimizer has."""
         children = kc.class_trackable_children(self.optimizer, save_type, **kwargs)
-        if self.layout is None or save_type != "checkpoint":
+        if self.layout is None:
+            return children
+        if save_type != "checkpoint":
+            # A SavedModel recreates each variable at load and traces each
+            # object's restore function at save, which the checkpoint's
+            # canonical values (read and written eagerly) cannot be: it gets
+            # plain variables holding the canonical state, taken now. As it
+            # was, it held the flat variable (declared with the slots' row
+            # shape, holding [0]) and one replica's slices, and
+            # tf.saved_model.load failed ("Received incompatible tensor with
+            # shape (0,) ... tfdist_parameter_shard:0").
+            children.update(self._canonical_children(self._snapshot_values()))
             return children
         if self._checkpoint_children is None:
-            self._checkpoint_children = self._canonical_children()
+            self._checkpoint_children = self._canonical_children(self._checkpoint_values())
         children.update(self._checkpoint_children)
         return children
 
@@ -826,7 +837,9 @@ class ShardedState:
             with tf.device(component.device):
                 component.assign(slices[r].reshape(component.shape))
 
-    def _canonical_children(self) -> dict:
+    def _checkpoint_values(self) -> list:
+        """Per canonical slot entry (in `entries` order), a trackable that checkpoints as its variable."""
+
         def value_of(slot, index):
             def read():
                 flat = self._gather_tensor(self.slots[slot])
@@ -850,13 +863,28 @@ class ShardedState:
 
             return tfc.canonical_checkpoint_value(read, write, self.layout.shapes[index])
 
+        return [value_of(entry[1], entry[2]) for entry in self.entries if entry[0] == "slot"]
+
+    def _snapshot_values(self) -> list:
+        """Per canonical slot entry, a new variable on the host holding its value now (for a SavedModel)."""
+        values = self.canonical_values()
+        snapshot = []
+        with tf.init_scope(), tf.device("/cpu:0"):
+            for entry, value in zip(self.entries, values):
+                if entry[0] == "slot":
+                    snapshot.append(tf.Variable(value, trainable=False, name=f"{entry[1]}_{entry[2]}"))
+        return snapshot
+
+    def _canonical_children(self, slot_values: list) -> dict:
+        """The single-device optimizer's children, its slot entries given by `slot_values` (in order)."""
         canonical = []
         by_slot: dict = {}
+        values = iter(slot_values)
         for entry in self.entries:
             if entry[0] == "plain":
                 canonical.append(entry[1])
             else:
-                value = value_of(entry[1], entry[2])
+                value = next(values)
                 canonical.append(value)
                 by_slot.setdefault(entry[1], []).append(value)
         children = {
