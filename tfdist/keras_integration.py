@@ -167,7 +167,11 @@ def _patched_symbolic_build(original):
         # by `EpochIterator.reset()` while its multi-device prefetch is still
         # running, crashed TensorFlow (SIGSEGV) about once in 5 to 8 fits. The
         # build needs shapes and dtypes only: one replica's element spec has them.
-        if iterator is None or not _is_tfdist_model(self):
+        if not _is_tfdist_model(self):
+            return original(self, iterator=iterator, data_batch=data_batch)
+        # Keras builds an unbuilt optimizer here; a strategy that built it at compile learns of it.
+        self.distribute_strategy.on_keras_build(self)
+        if iterator is None:
             return original(self, iterator=iterator, data_batch=data_batch)
         sink_input(self, iterator)
         strategy = self.distribute_strategy

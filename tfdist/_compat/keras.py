@@ -1462,7 +1462,7 @@ class _ShardedLossScale:
     def load_own_variables(self, store):
         inner = self.inner_optimizer.__dict__["_tfdist_sharded"]
         own = len(self._variables)
-        if inner.skips_other_state(len(store.keys()), own):
+        if inner.loads_as_unbuilt(store, self.name) or inner.skips_other_state(len(store.keys()), own):
             return
         values = [store[str(i)] for i in range(len(store.keys()))]
         inner.load_canonical_values(values[own:])  # validates before anything is written

@@ -78,6 +78,13 @@ class TfdistStrategy:
     def on_compile(self, model) -> None:
         """Called at the end of `model.compile` in the strategy's scope (after validation)."""
 
+    def on_keras_build(self, model) -> None:
+        """Called where Keras builds a compiled model's missing state, before it does.
+
+        That is the start of `fit`, `evaluate`, `train_on_batch` and
+        `test_on_batch`, where Keras builds an unbuilt optimizer.
+        """
+
     @classmethod
     def demo_kwargs(cls):
         """Arguments for `tfdist demo` on the embedded default, or `None` to leave it out."""

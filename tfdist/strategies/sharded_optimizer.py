@@ -211,9 +211,18 @@ class _ShardedStrategyMixin:
                 # slot list never reached the sharded state's own: the moments were
                 # dropped silently (tests/strategies/test_sharded_optimizer.py).
                 model.optimizer.build(model.trainable_variables)
+                # Ahead of Keras, which builds it at the first fit: until then
+                # `load_weights` treats it as Keras treats an unbuilt one.
+                kc.sharded_state(model.optimizer).built_ahead = True
         if not getattr(model, "_tfdist_load_guarded", False):
             kc.guard_load_weights(model, lambda: _snapshot(model), lambda saved: _restore(model, saved))
             object.__setattr__(model, "_tfdist_load_guarded", True)
+
+    def on_keras_build(self, model) -> None:
+        """Keras would build an unbuilt optimizer here: one built at `compile` now loads state as any built one."""
+        state = kc.sharded_state(model.optimizer) if model.optimizer is not None else None
+        if state is not None:
+            state.built_ahead = False
 
     @property
     def shards_optimizer_state(self) -> bool:
@@ -244,7 +253,9 @@ class _ShardedStrategyMixin:
                 f"{len(optimizer.variables)} variables), so it cannot be sharded. Pass a new, "
                 "unbuilt optimizer to model.compile() under the 'sharded_optimizer' strategy."
             )
-        state = ShardedState(self, optimizer, under_loss_scale=wrapper is not None)
+        # What Keras's `load_weights` loads into the unbuilt optimizer (iterations, learning rate).
+        unbuilt = list((wrapper if wrapper is not None else optimizer).variables)
+        state = ShardedState(self, optimizer, under_loss_scale=wrapper is not None, unbuilt_variables=unbuilt)
         kc.make_sharded_optimizer(optimizer, state, loss_scale_optimizer=wrapper)
 
 
@@ -501,7 +512,10 @@ class ShardedState:
         variables: the model's trainable variables, in layout order.
     """
 
-    def __init__(self, strategy: ShardedOptimizerStrategy, optimizer, under_loss_scale: bool = False):
+    def __init__(
+        self, strategy: ShardedOptimizerStrategy, optimizer, under_loss_scale: bool = False,
+        unbuilt_variables: Sequence = (),
+    ):
         self.strategy = strategy
         self.optimizer = optimizer
         # Wrapped by a LossScaleOptimizer (mixed_float16): the engine's step
@@ -521,11 +535,20 @@ class ShardedState:
         self.largest_group = 0
         # Whether the slots were put in copy-on-read mode for chunked updates (`_updates_by_chunk`).
         self._slots_chunked = False
+        # Built by `compile` (`on_compile`) before Keras would build it (the first
+        # fit, evaluate, train_on_batch or test_on_batch, `optimizer.build`, `apply`):
+        # until then `load_weights` loads as into the unbuilt optimizer (`loads_as_unbuilt`).
+        self.built_ahead = False
+        # The variables the optimizer (or its LossScaleOptimizer) held unbuilt.
+        self.unbuilt_variables = list(unbuilt_variables)
 
     # What the sharded optimizer class calls ----------------------------------
     def build(self, variables) -> None:
         optimizer = self.optimizer
         if optimizer.built:
+            # Built again by its owner (the user before a restore, Keras's
+            # `compile_from_config` in `load_model`): as on one device, it now loads state.
+            self.built_ahead = False
             return
         variables = list(variables)
         bad = [v for v in variables if tf.as_dtype(v.dtype) != tf.float32]
@@ -639,6 +662,8 @@ class ShardedState:
 
     def load_own_variables(self, store) -> None:
         """Loads a single-device-layout optimizer state, resharding it onto this replica count."""
+        if self.loads_as_unbuilt(store, self.optimizer.name):
+            return
         if self.layout is None:
             raise ValueError(
                 f"The optimizer {self.optimizer.name!r} of a 'sharded_optimizer' model is not "
@@ -647,6 +672,33 @@ class ShardedState:
             )
         if not self.skips_other_state(len(store.keys())):
             self.load_canonical_values([store[str(i)] for i in range(len(store.keys()))])
+
+    def loads_as_unbuilt(self, store, name: str) -> bool:
+        """Keras's `load_own_variables` of the unbuilt optimizer, when this one was built ahead of Keras; whether it ran.
+
+        On one device the optimizer is unbuilt from `compile` to the first
+        `fit` (or `evaluate`, `train_on_batch`, `optimizer.build`), and Keras's
+        `load_weights` there loads a file's optimizer variables only where it
+        holds as many as the unbuilt optimizer (iterations, learning rate);
+        otherwise it keeps the optimizer's state with its warning. Fine-tuning
+        (compile with a new optimizer, load pretrained weights, fit) so keeps
+        the new learning rate, a step count of 0 and zero moments; before,
+        stages 1 and 2 took the pretrained run's. `name`: the optimizer Keras
+        loads (a LossScaleOptimizer's, under mixed_float16).
+        """
+        if not self.built_ahead:
+            return False
+        unbuilt = self.unbuilt_variables
+        if len(store.keys()) != len(unbuilt):
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{name}', because it has {len(unbuilt)} "
+                f"variables whereas the saved optimizer has {len(store.keys())} variables. ",
+                stacklevel=4,
+            )
+            return True
+        for i, variable in enumerate(unbuilt):
+            variable.assign(store[str(i)])
+        return True
 
     def skips_other_state(self, saved: int, own: int = 0) -> bool:
         """True, with Keras's warning, when a file holds another number of optimizer variables than this one.
@@ -667,12 +719,23 @@ class ShardedState:
         return True
 
     def trackable_children(self, save_type="checkpoint", **kwargs) -> dict:
-        """tf.train.Checkpoint: the children a single-device Keras optimizer has."""
+        """`tf.train.Checkpoint` and `tf.saved_model.save`: the children a single-device Keras optimizer has."""
         children = kc.class_trackable_children(self.optimizer, save_type, **kwargs)
-        if self.layout is None or save_type != "checkpoint":
+        if self.layout is None:
+            return children
+        if save_type != "checkpoint":
+            # A SavedModel recreates each variable at load and traces each
+            # object's restore function at save, which the checkpoint's
+            # canonical values (read and written eagerly) cannot be: it gets
+            # plain variables holding the canonical state, taken now. As it
+            # was, it held the flat variable (declared with the slots' row
+            # shape, holding [0]) and one replica's slices, and
+            # tf.saved_model.load failed ("Received incompatible tensor with
+            # shape (0,) ... tfdist_parameter_shard:0").
+            children.update(self._canonical_children(self._snapshot_values()))
             return children
         if self._checkpoint_children is None:
-            self._checkpoint_children = self._canonical_children()
+            self._checkpoint_children = self._canonical_children(self._checkpoint_values())
         children.update(self._checkpoint_children)
         return children
 
@@ -774,7 +837,9 @@ class ShardedState:
             with tf.device(component.device):
                 component.assign(slices[r].reshape(component.shape))
 
-    def _canonical_children(self) -> dict:
+    def _checkpoint_values(self) -> list:
+        """Per canonical slot entry (in `entries` order), a trackable that checkpoints as its variable."""
+
         def value_of(slot, index):
             def read():
                 flat = self._gather_tensor(self.slots[slot])
@@ -798,21 +863,48 @@ class ShardedState:
 
             return tfc.canonical_checkpoint_value(read, write, self.layout.shapes[index])
 
+        return [value_of(entry[1], entry[2]) for entry in self.entries if entry[0] == "slot"]
+
+    def _snapshot_values(self) -> list:
+        """Per canonical slot entry, a new variable on the host holding its value now (for a SavedModel)."""
+        values = self.canonical_values()
+        snapshot = []
+        with tf.init_scope(), tf.device("/cpu:0"):
+            for entry, value in zip(self.entries, values):
+                if entry[0] == "slot":
+                    snapshot.append(tf.Variable(value, trainable=False, name=f"{entry[1]}_{entry[2]}"))
+        return snapshot
+
+    def _canonical_children(self, slot_values: list) -> dict:
+        """The single-device optimizer's children, its slot entries given by `slot_values` (in order)."""
         canonical = []
         by_slot: dict = {}
+        values = iter(slot_values)
         for entry in self.entries:
             if entry[0] == "plain":
                 canonical.append(entry[1])
             else:
-                value = value_of(entry[1], entry[2])
+                value = next(values)
                 canonical.append(value)
                 by_slot.setdefault(entry[1], []).append(value)
         children = {
             "_variables": tfc.trackable_list(canonical),
             "_trainable_variables": tfc.trackable_list(self.variables),
         }
-        for attribute, slot in _SLOT_ATTRIBUTES.items():
-            if slot in by_slot and attribute in kc.class_trackable_children(self.optimizer, "checkpoint"):
+        # Keras optimizers also keep each slot's list as an attribute, checkpointed
+        # by its name, which each class chooses (Adam's `_momentums`, SGD's
+        # `momentums`, Adamax's `_m` and `_u`, Ftrl's `_linears`, gradient
+        # accumulation's `_accumulated_gradients`, ...): any list of one slot's
+        # flat variables gets that slot's canonical values, one per model
+        # variable. Left as it was, it checkpointed one replica's flat slice
+        # under a key of its own, restored into every replica (SGD's momentum:
+        # 0.50 relative from uninterrupted training after one epoch).
+        slot_of = {id(v): name for name, v in self.slots.items()}
+        for attribute, child in kc.class_trackable_children(self.optimizer, "checkpoint").items():
+            if attribute in children or not isinstance(child, (list, tuple)):
+                continue
+            names = {slot_of.get(id(item)) for item in child}
+            if len(names) == 1 and (slot := next(iter(names))) in by_slot:
                 children[attribute] = tfc.trackable_list(by_slot[slot])
         return children
 
@@ -1155,6 +1247,7 @@ class ShardedState:
             )
         grads = list(grads)
         optimizer = self.optimizer
+        self.built_ahead = False  # on one device `apply` builds it
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
             if not optimizer.built:
@@ -1349,17 +1442,6 @@ def _writes_in_place(variable, value, start: int, stop: int) -> list:
 def _is_slice_sized(value, size: int) -> bool:
     """Whether an update argument is a tensor of the slice's `[S]` shape (cut into chunks), not a scalar."""
     return tf.is_tensor(value) and value.shape.rank == 1 and value.shape[0] == size
-
-
-# Keras optimizers keep some slot lists as attributes (checkpointed by name).
-_SLOT_ATTRIBUTES = {
-    "_momentums": "momentum",
-    "_velocities": "velocity",
-    "_velocity_hats": "velocity_hat",
-    "_accumulators": "accumulator",
-    "_average_gradients": "average_gradient",
-    "_model_variables_moving_average": "average",
-}
 
 
 def _check_same_trainable_variables(model, sharded) -> None:
