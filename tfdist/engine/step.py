@@ -923,7 +923,7 @@ class StepLogs:
         self.traced = None
         if not isinstance(outputs, dict) or not outputs:
             return None
-        reduced = {k: self._mean_over_replicas(v) for k, v in outputs.items()}
+        reduced = {k: self._mean_over_replicas(v) for k, v in _flat_logs(outputs).items()}
         key = tuple(sorted((k, v.dtype.name) for k, v in reduced.items()))
         variables = self._variables.get(key)
         if variables is None:
@@ -949,3 +949,18 @@ class StepLogs:
         if self.traced is None or set(self.traced) == set(metrics):
             return metrics
         return {k: v.read_value() for k, v in self.traced.items()}
+
+
+def _flat_logs(logs: dict) -> dict:
+    """`logs` with nested dicts merged in, as Keras's `pythonify_logs` flattens them.
+
+    The keras-io step returns `{m.name: m.result() for m in self.metrics}`,
+    where the compiled metrics' result is itself a dict (`{"mae": ...}`).
+    """
+    flat = {}
+    for key, value in sorted(logs.items()):
+        if isinstance(value, dict):
+            flat.update(_flat_logs(value))
+        else:
+            flat[key] = value
+    return flat
