@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tfdist import collectives
 from tfdist._compat import keras as kc
-from tfdist.data.sinking import SunkIterator
+from tfdist.data.sinking import SunkIterator, replica_rows
 from tfdist.engine import step as step_lib
 from tfdist.engine.custom import CustomTrainStep
 from tfdist.engine.step import TrainStep
@@ -305,6 +305,64 @@ def run_chunks(
     return done
 
 
+def split_batch(strategy, data):
+    """A whole batch as a distributed batch: each replica's rows, as `fit` splits a global batch.
+
+    Rows are cut as `tf.distribute` cuts a dataset's batch (`replica_rows`:
+    15 over 2 replicas is 8 and 7, 1 over 2 is 1 and 0), by the replica's id
+    in the sync group, so across workers the batch is the global one, as
+    `fit`'s NumPy input is. `None` parts (no `y`, no `sample_weight`) stay
+    `None`.
+
+    Args:
+        strategy: the model's `tf.distribute.Strategy`.
+        data: a batch: a nest of tensors, NumPy arrays, `tf.RaggedTensor`s or
+            `tf.SparseTensor`s that share their first dimension, and `None`s.
+
+    Returns:
+        The distributed batch `strategy.run` hands out, or `data` itself with
+        one replica.
+
+    Example:
+
+    ```python
+    distributed = split_batch(model.distribute_strategy, (x, y, None))
+    model.distribute_strategy.run(model.test_step, args=(distributed,))
+    ```
+    """
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1:
+        return data
+
+    def replica_batch(ctx):
+        replica = ctx.replica_id_in_sync_group
+
+        def cut(part):
+            if part is None:
+                return None
+            if isinstance(part, tf.SparseTensor):
+                lo, hi = replica_rows(part.dense_shape[0], replica, replicas)
+                start = tf.concat([[lo], tf.zeros_like(part.dense_shape[1:])], axis=0)
+                size = tf.concat([[hi - lo], part.dense_shape[1:]], axis=0)
+                return tf.sparse.slice(part, start, size)
+            if isinstance(part, tf.RaggedTensor):
+                lo, hi = replica_rows(part.nrows(), replica, replicas)
+                return part[lo:hi]
+            part = tf.convert_to_tensor(part)
+            lo, hi = replica_rows(tf.shape(part)[0], replica, replicas)
+            rows = part[lo:hi]
+            if tf.executing_eagerly():
+                return rows
+            # A share's size unknown when traced, as a distributed dataset's
+            # is: Keras's loss of a share traced as empty (`(0, ...)`, one row
+            # over 2 replicas) is NaN, where traced as `(None, ...)` it adds nothing.
+            return tf.compat.v1.placeholder_with_default(rows, [None] + rows.shape[1:])
+
+        return tf.nest.map_structure(cut, data)
+
+    return strategy.experimental_distribute_values_from_function(replica_batch)
+
+
 def global_batch_size(data) -> tf.Tensor:
     """Scalar int32: examples in `data`, a batch or a distributed batch (summed over replicas)."""
     flat = [t for t in tf.nest.flatten(data, expand_composites=False) if t is not None]
@@ -441,9 +499,18 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
             return done, step_lib.metrics_result_from_state(model, step_fn.ride_variables, state)
         return done, metrics_result()
 
+    # train_on_batch / test_on_batch hand the host function whole batches.
+    # Each is split over the replicas as `fit` splits a batch: with every
+    # replica on the whole batch, an Embedding's sparse gradient carried each
+    # row once per replica (at 1/N), and Adam's second moment summed N
+    # squares of g/N for a row instead of one of g (0.139 off one device after
+    # one step on 2 replicas; dense gradients were unaffected). The parameter
+    # server's host loop is its own.
+    split = getattr(model.distribute_strategy, "host_loop", KERAS_FIT) is KERAS_FIT
+
     @tf.autograph.experimental.do_not_convert
     def on_data(data):
-        step_fn(data)
+        step_fn(split_batch(model.distribute_strategy, data) if split else data)
         return metrics_result()
 
     # Also for one step per call: with a plain `get_next()` the ops of the step
@@ -461,8 +528,8 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
     def function(iterator):
         sunk = isinstance(iterator, SunkIterator)
         if not sunk and not _is_tf_iterator(iterator):
-            # train_on_batch / test_on_batch: a Python iterator of whole batches;
-            # every replica sees the whole batch, as in Keras.
+            # train_on_batch / test_on_batch: a Python iterator of whole
+            # batches, each split over the replicas (`on_data`).
             logs = None
             for data in iterator:
                 logs = on_data(data)
@@ -523,6 +590,7 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
         return logs
 
     function.traced_graphs = traced_graphs
+    function.step = step_fn  # for the checkpoint writers (`checkpointing.warn_if_window_open`)
     return function
 
 
