@@ -1043,7 +1043,9 @@ def test_stage_2_peaks_well_under_mirrored_at_two_replicas():
     # summed whole; 0.74-0.80 with the update chunk by chunk, 1 MiB layout
     # buckets and gradients summed in 1 MiB pieces (0.80 and above only on a
     # loaded host: the lower of two runs is taken). Stage 1 gains less here
-    # (0.85 before, 0.74-0.83 after): too close to assert.
+    # (0.85 before, 0.74-0.83 after): too close to assert. Mirrored's own peak
+    # varies by 10% from run to run (83-95 MiB; stage 2's 68-73), so it is the
+    # median of three runs (one run once read 83 MiB, and 0.86).
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
 
     def peak(stage):
@@ -1052,7 +1054,7 @@ def test_stage_2_peaks_well_under_mirrored_at_two_replicas():
         assert out.returncode == 0, out.stderr[-3000:]
         return int(out.stdout.strip().splitlines()[-1])
 
-    mirrored = peak(0)
+    mirrored = sorted(peak(0) for _ in range(3))[1]
     assert min(peak(2), peak(2)) < 0.85 * mirrored
 
 
