@@ -1427,3 +1427,32 @@ def test_recompiling_the_same_optimizer_after_trainable_changed_is_a_clear_error
     with strategy.scope():
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
     model.fit(x[:32], y[:32], batch_size=16, verbose=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_run_eagerly_is_refused_by_name_instead_of_hanging(stage, data10):
+    # Before: fit(run_eagerly=True) at stages 1 and 2 on 2 replicas never
+    # returned (stage 3 and mirrored run eagerly).
+    x, y = data10
+    strategy = sharded(2, stage)
+    message = (
+        f"run_eagerly=True is not supported by the 'sharded_optimizer' strategy at stage={stage} with 2 "
+        "replicas: its replicas reduce and gather the optimizer's slices inside the traced step, and run "
+        "eagerly the step hangs. Leave run_eagerly False (the default), or debug under the 'mirrored' "
+        "strategy (the same replicas; stages 1 and 2 train to its weights within 1e-6) or at stage=3."
+    )
+    with strategy.scope():
+        model = build_model(optimizer=keras.optimizers.Adam(1e-2))
+        with pytest.raises(NotImplementedError) as info:
+            model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy",
+                          run_eagerly=True)
+    assert str(info.value) == message
+    # Set after compile: refused when fit builds its step, before anything trains.
+    with strategy.scope():
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+    before = [w.copy() for w in model.get_weights()]
+    model.run_eagerly = True
+    with pytest.raises(NotImplementedError) as info:
+        model.fit(x[:32], y[:32], batch_size=16, verbose=0)
+    assert str(info.value) == message
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))

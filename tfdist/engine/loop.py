@@ -623,6 +623,8 @@ def model_features(model) -> list[str]:
     if getattr(kc.inner_optimizer(optimizer), "use_ema", False):
         used.append("ema")
     used.append("optimizer")
+    if model.run_eagerly:
+        used.append("run_eagerly")
     return used
 
 

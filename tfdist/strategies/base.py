@@ -62,7 +62,8 @@ class TfdistStrategy:
         "loss_scale_optimizer", "keras_accumulation" (Keras's
         `Optimizer(gradient_accumulation_steps=...)`), "ema", "optimizer"
         (the compiled optimizer's class), "step_options" (non-default step
-        options), "estimator" (the Estimator-style runner). The reason is
+        options), "run_eagerly" (`compile(run_eagerly=True)`), "estimator"
+        (the Estimator-style runner). The reason is
         the whole error message: it names the combination and the fix.
         """
         return None

@@ -162,6 +162,14 @@ class _ShardedStrategyMixin:
                     f"strategy: {reason}, and each replica holds only a flat slice. Use the mirrored "
                     "strategy, or an optimizer with per-element state (Adam, AdamW, SGD, Lion, ...)."
                 )
+        if feature == "run_eagerly" and self.shards_optimizer_state:
+            return (
+                f"run_eagerly=True is not supported by the 'sharded_optimizer' strategy at stage={self.stage} "
+                f"with {self.num_replicas_in_sync} replicas: its replicas reduce and gather the optimizer's "
+                "slices inside the traced step, and run eagerly the step hangs. Leave run_eagerly False (the "
+                "default), or debug under the 'mirrored' strategy (the same replicas; stages 1 and 2 train to "
+                "its weights within 1e-6) or at stage=3."
+            )
         if feature == "estimator":
             return (
                 "Strategy 'sharded_optimizer' is not supported by tfdist.estimator yet: it shards the "
