@@ -918,11 +918,11 @@ class StepLogs:
         self._variables: dict = {}
         self.traced = None  # the variables the step being traced writes, or None
 
-    def record(self, outputs):
-        """Cross-replica context: writes the replicas' step outputs; returns the write (or None)."""
+    def record(self, outputs) -> None:
+        """Cross-replica context: writes the replicas' step outputs into the log variables."""
         self.traced = None
         if not isinstance(outputs, dict) or not outputs:
-            return None
+            return
         reduced = {k: self._mean_over_replicas(v) for k, v in _flat_logs(outputs).items()}
         key = tuple(sorted((k, v.dtype.name) for k, v in reduced.items()))
         variables = self._variables.get(key)
@@ -935,7 +935,8 @@ class StepLogs:
                 }
             self._variables[key] = variables
         self.traced = variables
-        return tf.group([variables[k].assign(v) for k, v in reduced.items()])
+        for k, v in reduced.items():
+            variables[k].assign(v)
 
     def _mean_over_replicas(self, value) -> tf.Tensor:
         # Keras's "auto" reduction of a step's logs (the mean over the replicas,
