@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shutil
-import warnings
 from typing import Callable, TypeVar
 
 import keras
@@ -207,45 +206,9 @@ def _local_file(filepath, suffixes) -> str | None:
     return path
 
 
-_warned_open_window = False
-
-
-def warn_if_window_open(model) -> None:
-    """Warns once per process when `model` is saved in the middle of a gradient-accumulation window.
-
-    tfdist's accumulators (`engine.update.Accumulate`) are variables no model
-    or optimizer tracks, so `save`, `save_weights`, ModelCheckpoint,
-    BackupAndRestore and `tf.train.Checkpoint` write none of them: a run
-    resumed from a checkpoint written mid-window loses that window's
-    micro-batches (measured: 0.17-0.26 relative from never stopping).
-    """
-    global _warned_open_window
-    if _warned_open_window:
-        return
-    train_function = getattr(model, "train_function", None)
-    accumulation = getattr(getattr(train_function, "step", None), "accumulation", None)
-    if accumulation is None:
-        return
-    pending = accumulation.pending_micro_steps()
-    if pending == 0:
-        return
-    _warned_open_window = True
-    warnings.warn(
-        f"Saving a checkpoint with a gradient-accumulation window open ({pending} of "
-        f"{accumulation.k} micro-steps accumulated): tfdist's accumulators are not saved, so a "
-        "run resumed from this checkpoint loses those micro-batches' gradients and differs from "
-        "one that never stopped. Save at window boundaries: give each epoch a batch count that "
-        f"is a multiple of accumulation_steps={accumulation.k} (`steps_per_epoch`, "
-        "`drop_remainder=True`), or save only every k batches.",
-        stacklevel=3,
-    )
-
-
 def _patched_save(original):
     @functools.wraps(original)
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):
-        if _is_tfdist_model(self):
-            warn_if_window_open(self)
         path = _local_file(filepath, _MODEL_SUFFIXES) if zipped in (None, True) else None
         if path is None or not _is_tfdist_model(self):
             return original(self, filepath, overwrite=overwrite, zipped=zipped, **kwargs)
@@ -261,8 +224,6 @@ def _patched_save(original):
 def _patched_save_weights(original):
     @functools.wraps(original)
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
-        if _is_tfdist_model(self):
-            warn_if_window_open(self)
         path = _local_file(filepath, (_WEIGHTS_SUFFIX,)) if max_shard_size is None else None
         if path is None or not _is_tfdist_model(self):
             return original(self, filepath, overwrite=overwrite, max_shard_size=max_shard_size)

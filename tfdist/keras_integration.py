@@ -91,6 +91,11 @@ def _patched_compile(original):
             # A strategy that shapes the optimizer (the sharded optimizer) does so here.
             self.distribute_strategy.on_compile(self)
             apply_sink_size(self)
+            if kc.keras_accumulation_steps(self.optimizer) or self.distribute_strategy.options.accumulation_steps > 1:
+                from tfdist.engine.update import AccumulationState
+
+                # An open accumulation window is saved with the optimizer.
+                AccumulationState.attach(self.optimizer, self.trainable_variables if self.built else None)
             # A failed load_weights leaves the model as it was (Keras loads layer
             # by layer and raises at the end), with no tensor dumped in the error.
             kc.guard_load_weights(self, lambda: _snapshot_state(self), lambda saved: _restore_state(self, saved))

@@ -1575,3 +1575,42 @@ def _without_variable_values(message: str) -> str:
     import re
 
     return re.sub(r"(<Variable path=[^,>]+, shape=[^>]*?), value=(?:\[.*?\]|[^>\[]*)>", r"\1>", message, flags=re.S)
+
+
+@functools.cache
+def saved_beside_optimizer_class():
+    """A base class for state tfdist keeps beside an optimizer, saved by Keras and by `tf.train.Checkpoint`.
+
+    Keras 3's saving (`saving_lib._save_state`, `.keras` and `.weights.h5`)
+    walks each saved object's attributes (`_walk_trackable`) and writes every
+    `KerasSaveable` among them under the object's path with its
+    `save_own_variables`; loading calls its `load_own_variables` with that
+    path's entries (none for a file written without it), and a model without
+    the attribute ignores them. `tf.train.Checkpoint` follows the Keras
+    TensorFlow optimizer's trackable attributes: a `tf.Module`'s variables
+    are written as its dependencies, and restored when they are created later
+    (deferred restoration). `_obj_type` must be a type Keras's walk knows
+    (`get_attr_skipset`); "Loss" makes it skip only `keras.losses.Loss`'s own
+    attributes. Verified on Keras 3.5-3.15.
+    """
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    class SavedBesideOptimizer(KerasSaveable, tf.Module):
+        def _obj_type(self):
+            return "Loss"
+
+    return SavedBesideOptimizer
+
+
+def attach_to_optimizer(optimizer, name: str, state) -> None:
+    """Sets `state` (a `saved_beside_optimizer_class()`) as the optimizer's attribute `name`.
+
+    Set on the optimizer the model holds (a LossScaleOptimizer's outer one),
+    whose attributes Keras's saving walks.
+    """
+    setattr(optimizer, name, state)
+
+
+def beside_optimizer(optimizer, name: str):
+    """The state `attach_to_optimizer` set as `name`, or None."""
+    return getattr(optimizer, name, None) if optimizer is not None else None

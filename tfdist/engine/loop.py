@@ -590,7 +590,6 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
         return logs
 
     function.traced_graphs = traced_graphs
-    function.step = step_fn  # for the checkpoint writers (`checkpointing.warn_if_window_open`)
     return function
 
 

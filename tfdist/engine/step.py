@@ -270,7 +270,9 @@ class TrainStep:
                     if kc.keras_accumulation_steps(self.optimizer)
                     else None
                 )
-                self.accumulation = update.Accumulate(k, variables, keras_counter)
+                self.accumulation = update.Accumulate(
+                    k, variables, keras_counter, saved=update.AccumulationState.of(self.optimizer)
+                )
             self.reduced.build()
             if self.accumulation is not None:
                 self.accumulation.build()

@@ -72,9 +72,12 @@ and makes one pass over the gradients for all of them, instead of one each.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Callable, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfdist._compat import keras as kc
@@ -365,10 +368,11 @@ class Accumulate(GradientTransformation):
             and `optimizer.iterations` counts optimizer steps.
     """
 
-    def __init__(self, k: int, variables: Sequence, keras_iterations=None):
+    def __init__(self, k: int, variables: Sequence, keras_iterations=None, saved: AccumulationState | None = None):
         self.k = k
         self.variables = list(variables)
         self.keras_iterations = keras_iterations
+        self.saved = saved
         self.accumulators: list = []
         self.weight = None
         self.counter = None
@@ -376,24 +380,13 @@ class Accumulate(GradientTransformation):
         self.traced_collectives = {"accumulate": None, "communicate": None}
 
     def build(self) -> None:
-        on_read = dict(
-            trainable=False,
-            synchronization=tf.VariableSynchronization.ON_READ,
-            aggregation=tf.VariableAggregation.SUM,
-        )
-        self.accumulators = [
-            tf.Variable(tf.zeros(v.shape, tf.float32), name="tfdist_grad_accumulator", **on_read)
-            for v in self.variables
-        ]
-        self.weight = tf.Variable(0.0, name="tfdist_weight_accumulator", **on_read)
-        if self.keras_iterations is None:
-            self.counter = tf.Variable(
-                0,
-                dtype=tf.int64,
-                trainable=False,
-                name="tfdist_micro_step",
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-            )
+        with_counter = self.keras_iterations is None
+        window = self.saved.window_for(self.variables, with_counter) if self.saved is not None else None
+        if window is None:
+            window = window_variables(self.variables, with_counter)
+            if self.saved is not None:
+                self.saved.track(*window)
+        self.accumulators, self.weight, self.counter = window
 
     # Replica context ------------------------------------------------------
     def add(self, values: list):
@@ -426,12 +419,7 @@ class Accumulate(GradientTransformation):
 
     # Cross-replica context -----------------------------------------------
     def pending_micro_steps(self) -> int:
-        """Micro-steps added since the window's last update (0 at a window boundary).
-
-        The accumulators are not in any checkpoint (no model or optimizer
-        tracks them): a checkpoint written with a window open resumes
-        without that window's gradients.
-        """
+        """Micro-steps added since the window's last update (0 at a window boundary)."""
         if self.counter is None and self.keras_iterations is None:
             return 0  # not built: no step has run
         counter = self.keras_iterations if self.keras_iterations is not None else self.counter
@@ -476,6 +464,168 @@ class Accumulate(GradientTransformation):
             branch("communicate", communicate_fn, advance_communicating),
             branch("accumulate", lambda: None, advance_accumulating),
         )
+
+
+def window_variables(variables: Sequence, with_counter: bool) -> tuple:
+    """An accumulation window's variables: `(sums, weight, micro_step or None)`.
+
+    Each sum (float32, shaped as its variable) and the weight are per-replica
+    (`ON_READ`, aggregated by `SUM`), so a replica adds to its own copy; the
+    micro-step counter (tfdist's own, not Keras's) is one for all.
+    """
+    on_read = dict(
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.SUM,
+    )
+    sums = [tf.Variable(tf.zeros(v.shape, tf.float32), name="tfdist_grad_accumulator", **on_read) for v in variables]
+    weight = tf.Variable(0.0, name="tfdist_weight_accumulator", **on_read)
+    counter = None
+    if with_counter:
+        counter = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="tfdist_micro_step",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+    return sums, weight, counter
+
+
+class AccumulationState(kc.saved_beside_optimizer_class()):
+    """An accumulation window in checkpoints: its running sums, their weight and its micro-step.
+
+    Attached to the model's optimizer at `compile` (`attach`), with the
+    window's variables where the model is built, so that Keras's saving
+    (`save`, `save_weights`, ModelCheckpoint, BackupAndRestore) writes the
+    window under the optimizer's path and `tf.train.Checkpoint` as the
+    optimizer's dependency, and a restore before `fit` finds them; the step's
+    `Accumulate` then uses these variables. A run resumed from a checkpoint
+    written mid-window ends that window as one that never stopped.
+
+    Written: each sum over the replicas (its cross-replica value; across
+    workers a collective, so every worker saves, as TensorFlow requires), the
+    summed weight and tfdist's micro-step (Keras's, under Keras's
+    `gradient_accumulation_steps`, is the optimizer's `iterations`, which
+    Keras saves). Restored in cross-replica context, each replica's copy of a
+    sum gets the sum divided by the replica count (TensorFlow's rule for
+    `ON_READ` `SUM` variables), so the replicas' sum at the window's end is
+    the saved one. At a window boundary nothing is written (no collective);
+    a file without the entries (saved at a boundary, or without tfdist)
+    closes the window. A model without tfdist ignores them.
+    """
+
+    ATTRIBUTE = "_tfdist_accumulation"
+
+    def __init__(self, optimizer):
+        super().__init__(name="tfdist_accumulation")
+        # A weak reference: not a checkpoint dependency (the optimizer holds this state).
+        self._optimizer = weakref.ref(optimizer)
+        # Entries loaded before the window's variables existed (an unbuilt model).
+        self._loaded: dict | None = None
+
+    @classmethod
+    def attach(cls, optimizer, variables: Sequence | None) -> None:
+        """Gives `optimizer` a window, with its variables where `variables` (the trainable ones) are known."""
+        state = cls.of(optimizer)
+        if state is None:
+            state = cls(optimizer)
+            kc.attach_to_optimizer(optimizer, cls.ATTRIBUTE, state)
+        if variables is not None and state.window() is None:
+            state.track(*window_variables(variables, not kc.keras_accumulation_steps(optimizer)))
+
+    @classmethod
+    def of(cls, optimizer) -> AccumulationState | None:
+        return kc.beside_optimizer(optimizer, cls.ATTRIBUTE)
+
+    def window(self) -> tuple | None:
+        sums = getattr(self, "sums", None)
+        return None if sums is None else (list(sums), self.weight, getattr(self, "micro_step", None))
+
+    def window_for(self, variables: Sequence, with_counter: bool) -> tuple | None:
+        """The tracked window, where it fits `variables` (shapes) and the counter's owner; else None."""
+        window = self.window()
+        if window is None:
+            return None
+        sums, _, counter = window
+        if [tuple(s.shape) for s in sums] != [tuple(v.shape) for v in variables] or (counter is not None) != with_counter:
+            return None
+        return window
+
+    def track(self, sums: list, weight, micro_step) -> None:
+        """Makes these the window written and restored; applies entries loaded before they existed.
+
+        Set as `tf.Module` attributes: a `tf.train.Checkpoint` restored before
+        they existed restores them now (deferred restoration).
+        """
+        self.sums = list(sums)
+        self.weight = weight
+        if micro_step is not None:
+            self.micro_step = micro_step
+        if self._loaded is not None:
+            loaded, self._loaded = self._loaded, None
+            self._restore(loaded)
+
+    def _pending(self) -> int:
+        """Micro-steps in the open window (0 at a boundary), read without a collective."""
+        _, _, counter = self.window()
+        if counter is not None:
+            return int(tf.convert_to_tensor(counter))
+        optimizer = self._optimizer()
+        k = kc.keras_accumulation_steps(optimizer)
+        return int(tf.convert_to_tensor(kc.iterations_variable(kc.inner_optimizer(optimizer)))) % k
+
+    def save_own_variables(self, store) -> None:
+        window = self.window()
+        if window is None:
+            arrays = dict(self._loaded or {})
+        elif self._pending() == 0:
+            arrays = {}
+        else:
+            sums, weight, counter = window
+            arrays = {str(i): np.asarray(tf.convert_to_tensor(s)) for i, s in enumerate(sums)}
+            arrays["weight"] = np.asarray(tf.convert_to_tensor(weight))
+            if counter is not None:
+                arrays["micro_step"] = np.asarray(tf.convert_to_tensor(counter))
+        for key, value in arrays.items():
+            store[key] = value
+
+    def load_own_variables(self, store) -> None:
+        optimizer = self._optimizer()
+        if optimizer is not None and not optimizer.built:
+            # Keras skips an unbuilt optimizer's state, with a warning (a
+            # fine-tuning flow: `load_weights` between `compile` and `fit`);
+            # its window goes with it.
+            return
+        arrays = {key: np.array(store[key]) for key in store.keys()}
+        if self.window() is None:
+            self._loaded = arrays
+        else:
+            self._restore(arrays)
+
+    def _restore(self, arrays: dict) -> None:
+        """Sets the window from saved entries (empty: a closed window).
+
+        Entries that do not fit (another set of trainable variables) are
+        skipped with a warning, as Keras skips an optimizer state of another
+        size, and the window is left as it was.
+        """
+        sums, weight, counter = self.window()
+        expected = [tuple(s.shape) for s in sums]
+        if arrays:
+            saved = [tuple(np.shape(arrays[key])) for key in sorted((k for k in arrays if k.isdigit()), key=int)]
+            if saved != expected or "weight" not in arrays:
+                warnings.warn(
+                    f"Skipping the checkpoint's gradient-accumulation window: it holds sums of shapes "
+                    f"{saved}, but this model accumulates gradients of shapes {expected} (its trainable "
+                    "variables differ from the saved model's). The window in progress was left as it "
+                    "was.",
+                    stacklevel=2,
+                )
+                return
+        with tf.init_scope():
+            for i, s in enumerate(sums):
+                s.assign(arrays[str(i)] if arrays else tf.zeros(s.shape, s.dtype))
+            weight.assign(float(arrays["weight"]) if arrays else 0.0)
+            if counter is not None:
+                counter.assign(int(arrays.get("micro_step", 0)))
 
 
 # ---------------------------------------------------------------------------
