@@ -596,3 +596,50 @@ def test_fit_with_dropout_uses_a_mask_per_replica(name, options):
     assert set(np.unique(units)) <= {0, 1, 2, 3, 4}
     odd = float(np.mean(units % 2))
     assert 0.45 < odd < 0.55, odd
+
+
+class _PadRagged(keras.layers.Layer):
+    """Reads its input as ragged: pads each row to 6 tokens."""
+
+    def call(self, tokens):
+        return tokens.to_tensor(shape=[None, 6])
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], 6)
+
+
+def _ragged_text_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None,), dtype="int64", ragged=True)
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 4)(_PadRagged()(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(h))
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="binary_crossentropy")
+    return model
+
+
+@pytest.mark.parametrize("name, options", [("mirrored", {}), ("sharded_optimizer", {"stage": 3})])
+def test_a_model_reading_ragged_inputs_builds_and_trains_like_one_device(name, options):
+    # Under a strategy Keras builds the model before fit from dense stand-ins
+    # for its inputs (one device builds in the traced step, on the real
+    # ragged batch): "Unable to automatically build the model ...
+    # 'SymbolicTensor' object has no attribute 'to_tensor'" (stock
+    # MirroredStrategy: "'RaggedTensor' object has no attribute 'device'").
+    rng = np.random.RandomState(0)
+    lengths = rng.randint(1, 7, size=21)
+    tokens = tf.RaggedTensor.from_row_lengths(rng.randint(1, 20, size=lengths.sum()).astype("int64"), lengths)
+    labels = (lengths > 3).astype("float32")
+
+    def run(strategy):
+        dataset = tf.data.Dataset.from_tensor_slices((tokens, labels)).ragged_batch(8)
+        if strategy is None:
+            model = _ragged_text_model()
+        else:
+            with strategy.scope():
+                model = _ragged_text_model()
+        model.fit(dataset, epochs=2, verbose=0)
+        return model, model.predict(dataset, verbose=0)
+
+    one, one_predictions = run(None)
+    model, predictions = run(strategy_for(name, 2, **options))
+    assert max_relative_difference(one.get_weights(), model.get_weights()) < 1e-5
+    np.testing.assert_allclose(predictions, one_predictions, rtol=1e-5, atol=1e-7)

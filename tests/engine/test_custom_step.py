@@ -78,6 +78,21 @@ def _train(strategy, data, batch_size=16, **kwargs):
     return model
 
 
+@pytest.mark.parametrize("name, options", [("mirrored", {}), ("central_storage", {}),
+                                           ("sharded_optimizer", {}), ("mirrored", {"accumulation_steps": 2})])
+def test_custom_step_on_unevenly_split_batches_matches_one_device(name, options, data):
+    # 13 rows in batches of 8 end with 5, split 3/2 on 2 replicas. The step
+    # sent each replica's gradient with weight 1, so the 3/2 split averaged
+    # the two shares' means: 0.10 relative from one device after one epoch
+    # (0.13 with accumulation_steps=2).
+    x, y = data
+    one = _train(None, (x[:13], y[:13]), batch_size=8)
+    model = _train(make_strategy(name, replicas=2, **options), (x[:13], y[:13]), batch_size=8)
+    if options:  # accumulation: a window of 2 micro-batches of 8 and 5 is Keras's one batch of 13
+        one = _train(None, (x[:13], y[:13]), batch_size=13)
+    assert max_relative_difference(one, model) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["mirrored", "central_storage", "sharded_optimizer"])
 def test_accumulation_option_and_keras_accumulation_reach_a_custom_step(name, data):
     # Both spellings of accumulation match Keras's gradient_accumulation_steps=2 on one device.

@@ -157,3 +157,68 @@ def test_losses_of_mixed_reductions_are_weighted_by_rows_with_a_warning():
         "share holds the same number of rows and of unmasked entries. Give every output a mean loss over rows, "
         "or the model one summed or masked loss, for gradients equal to one device's."
     ]
+
+
+def _two_heads(reduction="sum_over_batch_size"):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    outputs = {"cls": keras.layers.Dense(3, name="cls")(hidden), "reg": keras.layers.Dense(1, name="reg")(hidden)}
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction),
+              "reg": keras.losses.MeanSquaredError(reduction=reduction)},
+        loss_weights={"cls": 1.0, "reg": 0.3},
+    )
+    return model
+
+
+@pytest.mark.parametrize("name, options, reduction", [
+    ("mirrored", {}, "sum_over_batch_size"), ("mirrored", {"jit_compile": True}, "sum_over_batch_size"),
+    ("sharded_optimizer", {"stage": 3}, "sum_over_batch_size"), ("mirrored", {}, "sum"),
+])
+def test_per_output_loss_logs_of_uneven_batches_match_one_device(name, options, reduction):
+    # Keras logs `<output>_loss` counting each batch once (its static batch
+    # dimension, None in a traced step). Per replica each share counted once:
+    # a batch of 13 split 7/6 logged the unweighted mean of the two shares'
+    # means, and an empty share (13 in batches of 4 end with 1 row on 2
+    # replicas) added a zero: evaluate's cls_loss read 0.931 against one
+    # device's 1.069, and fit's second-epoch cls_loss 1.118 against 1.138.
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(13, 6)).astype("float32")
+    y = {"cls": rng.randint(0, 3, size=13).astype("int32"), "reg": rng.normal(size=(13, 1)).astype("float32")}
+
+    def logs(strategy):
+        model = _fit(strategy, lambda: _two_heads(reduction), x, y, batch_size=8, epochs=2)
+        history = model.history.history
+        evaluated = model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)
+        return {**{k: history[k][-1] for k in ("cls_loss", "reg_loss", "loss")},
+                **{f"val_{k}": evaluated[k] for k in ("cls_loss", "reg_loss", "loss")}}
+
+    one = logs(None)
+    replicas = logs(make_strategy(name, 2, **options))
+    assert replicas == pytest.approx(one, rel=1e-5)
+
+
+@pytest.mark.parametrize("name, options", STRATEGIES[:2] + [("mirrored", {"sink_size": 2})])
+def test_a_summed_loss_is_logged_as_on_one_device(name, options):
+    # The `loss` log weighs each batch by its rows. A summed loss reached it
+    # as N times each replica's sum, weighted by the replica's rows: on a
+    # batch split 3/2 (13 rows in batches of 8), fit's second epoch logged
+    # 9.106 against one device's 9.192, and evaluate (batches of 4, the last
+    # split 1/0) 4.296 against 4.266.
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(13, 6)).astype("float32")
+    y = rng.normal(size=(13, 2)).astype("float32")
+
+    def build():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.MeanSquaredError(reduction="sum"))
+        return model
+
+    def logs(strategy):
+        model = _fit(strategy, build, x, y, batch_size=8, epochs=2)
+        return model.history.history["loss"] + [model.evaluate(x, y, batch_size=4, verbose=0)]
+
+    assert logs(make_strategy(name, 2, **options)) == pytest.approx(logs(None), rel=1e-5)

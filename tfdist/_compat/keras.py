@@ -57,11 +57,13 @@ def compute_loss(model, x, y, y_pred, sample_weight, training: bool):
     )
 
 
-def track_loss(model, loss, batch_size):
-    """Updates the model's `loss` metric as Keras's `train_step` does."""
+def track_loss(model, loss, batch_size, factor=None):
+    """Updates the model's `loss` metric as Keras's `train_step` does; `factor` (a scalar) multiplies the value."""
     from keras.src.losses import loss as loss_module
 
     value = loss_module.unscale_loss_for_distribution(loss)
+    if factor is not None:
+        value = value * tf.cast(factor, value.dtype)
     # A replica with an empty batch (the last, short global batch) adds nothing.
     value = tf.where(batch_size > 0, value, tf.zeros_like(value))
     model._loss_tracker.update_state(value, sample_weight=batch_size)
@@ -262,8 +264,45 @@ def keras_name_scope_path() -> str:
 
 
 def symbolic_build(model, data_batch) -> None:
-    """Builds the model, its metrics and optimizer variables from one batch, as `fit` does."""
-    model._symbolic_build(data_batch=data_batch)
+    """Builds the model, its metrics and optimizer variables from one batch, as `fit` does.
+
+    `data_batch` holds tensors or their `tf.TypeSpec`s. Keras's
+    `Trainer._symbolic_build` (run under a strategy only: on one device Keras
+    builds in the traced step) stands a dense placeholder in for each input,
+    and a layer that reads a ragged input as ragged (`x.to_tensor()`) fails
+    there: "Unable to automatically build the model ... 'SymbolicTensor'
+    object has no attribute 'to_tensor'" (stock `tf.distribute` fails before,
+    averaging the ragged batch: "'RaggedTensor' object has no attribute
+    'device'"). With
+    a ragged input the model's output spec is traced from the inputs' own
+    specs instead (`keras.src.backend.compute_output_spec` replaced for the
+    call). Verified on Keras 3.15.
+    """
+    def spec(value):
+        return value if isinstance(value, tf.TypeSpec) else tf.type_spec_from_value(value)
+
+    specs = tf.nest.map_structure(spec, data_batch)
+    if not any(isinstance(s, tf.RaggedTensorSpec) for s in tf.nest.flatten(specs)):
+        model._symbolic_build(data_batch=data_batch)
+        return
+    from keras.src import backend as keras_backend
+    from keras.src.backend.common.symbolic_scope import SymbolicScope
+
+    x_spec = unpack_data(specs)[0]
+    original = keras_backend.compute_output_spec
+
+    def compute_output_spec(fn, *args, **kwargs):
+        if fn is not model:
+            return original(fn, *args, **kwargs)
+        with keras.StatelessScope(), SymbolicScope():
+            traced = tf.function(lambda x: fn(x, **kwargs), autograph=False).get_concrete_function(x_spec)
+        return tf.nest.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype), traced.structured_outputs)
+
+    keras_backend.compute_output_spec = compute_output_spec
+    try:
+        model._symbolic_build(data_batch=data_batch)
+    finally:
+        keras_backend.compute_output_spec = original
 
 
 def epoch_element_spec(epoch_iterator):
@@ -600,16 +639,109 @@ def recording_loss_reductions():
         _reduction_records["state"] = state
     state = _reduction_records["state"]
 
-    @contextlib.contextmanager
-    def scope():
-        outer = getattr(state, "records", None)
-        state.records = []
-        try:
-            yield state.records
-        finally:
-            state.records = outer
+    return _thread_setting(state, "records", [])
 
-    return scope()
+
+@contextlib.contextmanager
+def _thread_setting(state: threading.local, name: str, value):
+    """Sets `state.<name>` to `value` for the context (this thread); yields `value`."""
+    outer = getattr(state, name, None)
+    setattr(state, name, value)
+    try:
+        yield value
+    finally:
+        setattr(state, name, outer)
+
+
+_output_loss_weights: dict = {}
+
+
+class _WeightedMetric:
+    """A compiled loss's per-output metric as `CompileLoss.call` sees it: each update carries `weight`."""
+
+    def __init__(self, metric, weight):
+        self._metric = metric
+        self._weight = weight
+
+    def update_state(self, values, sample_weight=None):
+        weight = tf.cast(self._weight, tf.float32)
+        # A replica with an empty share (the last, short global batch) adds nothing.
+        values = tf.where(weight > 0, values, tf.zeros_like(values))
+        return self._metric.update_state(values, sample_weight=weight)
+
+
+def _sums(loss_fn) -> bool:
+    """Whether a compiled output's loss is a sum over its batch (reduction "sum", "none" or None)."""
+    from keras.src.losses import loss as loss_module
+
+    reduction = loss_module.standardize_reduction(getattr(loss_fn, "reduction", "sum_over_batch_size"))
+    return reduction in (None, "none", "sum")
+
+
+def compiled_losses_sum(model) -> bool:
+    """Whether every loss `model` was compiled with is a sum over its batch (reduction "sum", "none" or None).
+
+    Reads `CompileLoss._flat_losses` (built with the compiled loss); False
+    where it is missing or empty. Verified on Keras 3.15.
+    """
+    losses = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None)
+    return bool(losses) and all(_sums(entry[1]) for entry in losses)
+
+
+def compiled_loss_count(model) -> int:
+    """How many losses `model` was compiled with, one per output (`CompileLoss._flat_losses`; 0 before it is built)."""
+    return len(getattr(getattr(model, "_compile_loss", None), "_flat_losses", None) or ())
+
+
+def output_losses_weighted(weight):
+    """Context in which the compiled loss's per-output metrics (`"out_loss"`) count this replica's value at `weight`.
+
+    Keras's `CompileLoss.call` updates each output's loss metric with
+    `sample_weight=` the static batch dimension of the output, None in a traced
+    step (`keras.src.trainers.compile_utils.CompileLoss.call`): on one device
+    each batch counts once, its mean over its rows, whatever its size. Per
+    replica that makes each replica's share count once, so the logged
+    `out_loss` of a batch split 7 and 6 rows is the unweighted mean of the two
+    shares' means, and an empty share (a last batch smaller than the replica
+    count) adds a zero. Given `weight` = the replica's rows over the global
+    batch's, the shares' updates sum to one update of the global batch's mean,
+    counted once, as one device counts it. A summed output loss (reduction
+    `"sum"` or `"none"`) reaches the metric as N times its share's sum (Keras
+    unscales it): counted 1/N, the shares add up to the batch's sum. A mean
+    over a padding mask's entries or over sample weights is weighted by rows,
+    as the logged total loss is. Wraps `CompileLoss.call` once (it defers to
+    Keras outside the context; per thread: MirroredStrategy traces replicas in
+    threads); a Keras without `CompileLoss._flat_losses` keeps its own
+    weighting. Verified on Keras 3.15.
+    """
+    from keras.src.trainers.compile_utils import CompileLoss
+
+    if "state" not in _output_loss_weights:
+        state = threading.local()
+        original = CompileLoss.call
+
+        @functools.wraps(original)
+        def call(self, y_true, y_pred, sample_weight=None):
+            weight = getattr(state, "weight", None)
+            metrics = self._metrics
+            losses = getattr(self, "_flat_losses", None)
+            if weight is None or not metrics or losses is None or len(losses) != len(metrics):
+                return original(self, y_true, y_pred, sample_weight)
+            replicas = float(tf.distribute.get_replica_context().num_replicas_in_sync)
+            self._metrics = [
+                _WeightedMetric(m, 1.0 / replicas if _sums(entry[1]) else weight)
+                for entry, m in zip(losses, metrics)
+            ]
+            try:
+                return original(self, y_true, y_pred, sample_weight)
+            finally:
+                self._metrics = metrics
+
+        CompileLoss.call = call
+        _output_loss_weights["state"] = state
+    state = _output_loss_weights["state"]
+
+    return _thread_setting(state, "weight", weight)
 
 
 def build_optimizer(optimizer, variables: Sequence) -> None:

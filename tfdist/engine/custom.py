@@ -22,10 +22,11 @@ built-in step gets:
   skipped on every replica when any gradient is not finite;
 * `bucket_bytes`, `clipnorm` / `global_clipnorm` on the summed gradient.
 
-Keras's `compute_loss` divides the loss by the replica count, so the
-replicas' gradients sum to the global one; the step hands them on with
-weight 1 after undoing that division (as `TrainStep.compute_gradients`
-does), and the chain divides the sum by the replica count again.
+Keras's `compute_loss` divides the loss by the replica count; the step
+undoes that division and hands each replica's gradients on weighted by its
+rows (or by what its loss is a mean or sum over), as
+`TrainStep.compute_gradients` does, and the chain divides the sum by the
+summed weights: one device's gradient also when a batch splits unevenly.
 
 A `train_step` that applies another optimizer, or the model's optimizer to a
 subset of the variables (a GAN's two optimizers), keeps Keras's own `apply`
@@ -42,7 +43,14 @@ import tensorflow as tf
 
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
-from tfdist.engine.step import StepLogs, TrainStep, _scale, with_variable_shapes
+from tfdist.engine.step import (
+    StepLogs,
+    TrainStep,
+    _first_batch_dim,
+    _scale,
+    run_weighing_output_losses,
+    with_variable_shapes,
+)
 
 
 class CustomTrainStep(TrainStep):
@@ -74,9 +82,9 @@ class CustomTrainStep(TrainStep):
         with self.strategy.scope(), self._standing_in_for_apply():
             if self.jit_compile:
                 with tfc.xla_compiled_ops(skip=self._is_engine_op):
-                    outputs = self.strategy.run(self.model.train_step, args=(data,))
+                    outputs = run_weighing_output_losses(self.strategy, self.model, self._replica_train_step, data)
             else:
-                outputs = self.strategy.run(self.model.train_step, args=(data,))
+                outputs = run_weighing_output_losses(self.strategy, self.model, self._replica_train_step, data)
             self.logs.record(outputs)
         if self.accumulation is not None and not self.applied:
             raise NotImplementedError(
@@ -86,6 +94,31 @@ class CustomTrainStep(TrainStep):
                 "gradients of all the model's trainable variables through the model's optimizer. "
                 "Accumulate in the train_step yourself, or drop accumulation_steps."
             )
+
+    def _replica_train_step(self, data):
+        """Replica context: the model's `train_step`, this replica's rows and loss reductions kept for `_apply`."""
+        x, _, _ = kc.unpack_data(data)
+        self._pass.rows = tf.cast(_first_batch_dim(x), tf.float32)
+        with kc.recording_loss_reductions() as reductions:
+            self._pass.reductions = reductions
+            return self.model.train_step(data)
+
+    def _replica_weight(self):
+        """Replica context: this replica's weight for the gradients `_apply` hands on, or None for 1.
+
+        As `TrainStep.compute_gradients` weights a replica: by its rows, or by
+        what the loss computed so far in the step is a mean (or sum) over
+        (`TrainStep._loss_weight`), so a batch split unevenly over the
+        replicas (the epoch's short last batch) gives one device's gradient.
+        One replica without accumulation sends weight 1: nothing to weigh.
+        """
+        if self.strategy.num_replicas_in_sync == 1 and self.accumulation is None:
+            return None
+        rows = getattr(self._pass, "rows", None)
+        if rows is None:
+            return None
+        chosen = self._loss_weight(list(self._pass.reductions))
+        return rows if chosen is None else chosen
 
     # The stand-in for optimizer.apply ---------------------------------------
     @contextlib.contextmanager
@@ -136,10 +169,15 @@ class CustomTrainStep(TrainStep):
         ordered = [tf.convert_to_tensor(g) if isinstance(g, keras.Variable) else g for g in ordered]
         ordered = with_variable_shapes(ordered, self.model.trainable_variables)
         ordered = self.overwrite_from_replicas(ordered)
-        # Undo Keras's 1/N (compute_loss) and send with weight 1: the chain
-        # divides the sum by the summed weight, N.
+        # Undo Keras's 1/N (compute_loss) and send weighted by this replica's
+        # rows (or what its loss is a mean over): the chain divides the sum by
+        # the summed weights. Weight 1 with one replica.
         replicas = float(self.strategy.num_replicas_in_sync)
-        values = [_scale(g, replicas) for g in ordered] + [tf.constant(1.0)]
+        weight = self._replica_weight()
+        if weight is None:
+            values = [_scale(g, replicas) for g in ordered] + [tf.constant(1.0)]
+        else:
+            values = [_scale(g, weight * replicas) for g in ordered] + [weight]
         ctx.merge_call(self._reduce_and_update, args=(values,))
 
     def _reduce_and_update(self, strategy, values) -> None:

@@ -34,7 +34,7 @@ from tfdist._compat import keras as kc
 from tfdist.data.sinking import SunkIterator, replica_rows
 from tfdist.engine import step as step_lib
 from tfdist.engine.custom import CustomTrainStep
-from tfdist.engine.step import TrainStep
+from tfdist.engine.step import TrainStep, global_batch_size
 
 # Attribute set on a distributed iterator to give the number of steps a host
 # call runs on it (sink_size="epoch"); read by the host function.
@@ -363,15 +363,6 @@ def split_batch(strategy, data):
     return strategy.experimental_distribute_values_from_function(replica_batch)
 
 
-def global_batch_size(data) -> tf.Tensor:
-    """Scalar int32: examples in `data`, a batch or a distributed batch (summed over replicas)."""
-    flat = [t for t in tf.nest.flatten(data, expand_composites=False) if t is not None]
-    tensor = flat[0]
-    if isinstance(tensor, tf.distribute.DistributedValues):
-        return tf.add_n([tf.shape(t)[0] for t in tensor.values])
-    return tf.shape(tensor)[0]
-
-
 def gathers_rows(model) -> bool:
     """Whether a step may all-gather sparse rows whose count follows the batch (an Embedding)."""
     return any(
@@ -646,6 +637,19 @@ def validate_compiled_model(model) -> None:
             f"{keras_steps}) and the strategy option accumulation_steps="
             f"{options.accumulation_steps}. Set one of them."
         )
+    inner = kc.inner_optimizer(optimizer)
+    if keras_steps and getattr(inner, "use_ema", False) and getattr(inner, "ema_overwrite_frequency", None):
+        # Keras overwrites the weights on every micro-step of such a window, so
+        # the window's later micro-batches run on the average: no update of the
+        # window's end can give that.
+        raise NotImplementedError(
+            f"Optimizer(use_ema=True, ema_overwrite_frequency={inner.ema_overwrite_frequency}) with "
+            f"gradient_accumulation_steps={keras_steps} is not supported under a tfdist strategy: Keras "
+            "overwrites the weights with their average on the micro-steps that only accumulate, so "
+            "the window's later micro-batches run on the average. Use the strategy option "
+            f"accumulation_steps={keras_steps} instead (the average then moves once per update, as for "
+            f"a {keras_steps}-times larger batch), or ema_overwrite_frequency=None."
+        )
     for feature in model_features(model):
         reason = strategy.unsupported(feature, model)
         if reason is not None:
@@ -670,9 +674,13 @@ def make_test_function(model):
     logs = step_lib.StepLogs(strategy) if kc.has_custom_test_step(model) else None
 
     def step_fn(data):
-        outputs = strategy.run(model.test_step, args=(data,))
-        if logs is not None:
-            logs.record(outputs)
+        if logs is None:
+            # Keras's test_step, with the loss logged as the train step logs it.
+            step_lib.run_weighing_output_losses(
+                strategy, model, lambda batch, share: step_lib.test_step(model, batch, share), data, with_share=True
+            )
+            return
+        logs.record(step_lib.run_weighing_output_losses(strategy, model, model.test_step, data))
 
     step_fn.logs = logs
     return make_host_function(model, step_fn, model.steps_per_execution)

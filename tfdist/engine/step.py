@@ -66,6 +66,91 @@ def _first_batch_dim(x) -> tf.Tensor:
     return tf.shape(flat[0])[0]
 
 
+def global_batch_size(data) -> tf.Tensor:
+    """Scalar int32: examples in `data`, a batch or a distributed batch (summed over replicas)."""
+    flat = [t for t in tf.nest.flatten(data, expand_composites=False) if t is not None]
+    tensor = flat[0]
+    if isinstance(tensor, tf.distribute.DistributedValues):
+        return tf.add_n([tf.shape(t)[0] for t in tensor.values])
+    return tf.shape(tensor)[0]
+
+
+def local_global_batch(strategy, model, data):
+    """Cross-replica context: `global_batch_size(data)`, where `model`'s loss logs weigh replicas by share; else None.
+
+    Only the per-output loss logs of several compiled losses and the logged
+    total of summed losses need each replica's share of the global batch
+    (`run_weighing_output_losses`, `loss_log_factor`); any other model's step
+    computes nothing for them. None too with one replica, and across
+    workers: a process sees its own replicas' rows only, not the global
+    batch's.
+    """
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1 or len(strategy.extended.worker_devices) != replicas:
+        return None
+    if model is None or not (kc.compiled_loss_count(model) > 1 or kc.compiled_losses_sum(model)):
+        return None
+    return global_batch_size(data)
+
+
+def replica_share(batch, global_batch) -> tf.Tensor:
+    """Replica context: float32, this replica's rows of `batch` over `global_batch` (0 for an empty share)."""
+    x, _, _ = kc.unpack_data(batch)
+    rows = tf.cast(_first_batch_dim(x), tf.float32)
+    return rows / tf.maximum(tf.cast(global_batch, tf.float32), 1.0)
+
+
+def run_weighing_output_losses(strategy, model, fn: Callable, data, with_share: bool = False):
+    """Cross-replica context: `strategy.run(fn, args=(data,))`, each replica's per-output losses logged at its share.
+
+    A multi-output model's `<output>_loss` logs count each batch once on one
+    device; each replica's update is weighted by its share of the global batch
+    so the shares add up to that (`_compat.keras.output_losses_weighted`).
+    With `with_share`, `fn(batch, share)` also gets the share (None with one
+    replica, and across workers: `local_global_batch`).
+    """
+    total = local_global_batch(strategy, model, data)
+    if total is None:
+        return strategy.run((lambda batch: fn(batch, None)) if with_share else fn, args=(data,))
+
+    def replica_fn(batch):
+        share = replica_share(batch, total)
+        with kc.output_losses_weighted(share):
+            return fn(batch, share) if with_share else fn(batch)
+
+    return strategy.run(replica_fn, args=(data,))
+
+
+def loss_log_factor(model, share):
+    """Replica context: the factor on this replica's logged loss, or None to log it as Keras does.
+
+    The `loss` log is a mean weighted by rows: on one device each batch adds
+    its loss times its rows. A replica adds its own loss times its rows, which
+    sums to that for a mean over rows; a sum (every compiled loss of
+    reduction "sum" or "none") reaches the log as N times the replica's sum
+    (Keras unscales it), so a batch split 3/2 logged 3/5 and 2/5 of N times
+    each share's sum instead of the batch's sum. 1/(N · share) makes each
+    replica add its sum times the global batch's rows.
+    """
+    if share is None or not kc.compiled_losses_sum(model):
+        return None
+    replicas = float(tf.distribute.get_replica_context().num_replicas_in_sync)
+    return tf.math.divide_no_nan(1.0, share * replicas)
+
+
+def test_step(model, data, share=None):
+    """Replica context: Keras's `test_step` (TensorFlow backend), its loss logged as `TrainStep` logs it.
+
+    `share` (this replica's rows over the global batch's, or None) sets the
+    factor on the logged loss (`loss_log_factor`).
+    """
+    x, y, sample_weight = kc.unpack_data(data)
+    y_pred = kc.call_model(model, x, training=False)
+    loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=False)
+    kc.track_loss(model, loss, _first_batch_dim(x), loss_log_factor(model, share))
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
 def _scale(g, factor):
     if g is None:
         return None
@@ -292,6 +377,10 @@ class TrainStep:
         # travels in the gradients' all-reduce (`metric_riders`).
         self.metrics_ride = False
         self.ride_variables: list | None = None
+        # The global batch of the step being traced (`__call__`), for each
+        # replica's share of the loss logs; None with one replica or across
+        # workers (`local_global_batch`).
+        self.global_batch = None
         # Several replicas under XLA: each replica's forward and backward pass
         # is one compiled program (one per replica, each traced in its own
         # replica thread); gradients cross devices outside it. Per-op marking
@@ -573,8 +662,9 @@ class TrainStep:
         if replica not in self._compiled_forward_backward:
             rows = {}  # whether the traced pass weighs by rows (`_loss_weight` None)
 
-            def weighed(*args):
-                outputs = self._stateless_forward_backward(*args)
+            def weighed(share, *args):
+                with kc.output_losses_weighted(share):
+                    outputs = self._stateless_forward_backward(*args)
                 rows["traced"] = self._pass.weight is None
                 return (*outputs, tf.constant(0.0) if self._pass.weight is None else self._pass.weight)
 
@@ -582,7 +672,7 @@ class TrainStep:
 
             def call(*args):
                 # The weight the pass chose leaves the program as an output.
-                *outputs, weight = compiled(*args)
+                *outputs, weight = compiled(getattr(self._pass, "share", None), *args)
                 self._pass.weight = None if rows["traced"] else weight
                 return tuple(outputs)
 
@@ -647,6 +737,9 @@ class TrainStep:
         weighted = not (self.strategy.num_replicas_in_sync == 1 and self.accumulation is None)
         weight = factor = None
         self._pass.weight = None
+        # Each replica's per-output loss logs count at its share of the global
+        # batch (`run_weighing_output_losses`); the XLA pass takes it as an input.
+        self._pass.share = None if self.global_batch is None else replica_share(data, self.global_batch)
         if weighted:
             # Keras divided the loss by the replica count; undo that and weight
             # by this replica's batch size instead (exact for uneven splits),
@@ -657,26 +750,27 @@ class TrainStep:
         # float16 activations) or a float8 layer reads its output gradient's
         # magnitude (`overwrite_with_gradient`): then on each gradient.
         on_loss = factor if (self.loss_scale is None and not self.overwritten) else None
-        if reducer is not None:
-            y_pred, loss, grads = self._forward_backward_reducing(x, y, sample_weight, on_loss, reducer)
-        elif self.gathers_parameters:
-            y_pred, loss, grads = self._gathered_forward_backward(x, y, sample_weight, on_loss)
-        elif self.forward_backward_xla:
-            y_pred, loss, grads, updates = self._replica_forward_backward()(x, y, sample_weight, on_loss)
-            # The layers' state updates (BatchNorm's moving statistics, dropout
-            # seeds), recorded inside the compiled function, are written here,
-            # in replica context, where a mirrored variable's assignment may
-            # synchronise (a `merge_call` cannot run inside a nested function).
-            self._assign_updates(updates)
-        elif self.jit_compile and not self.whole_step_xla:
-            with tfc.xla_compiled_ops():
+        with kc.output_losses_weighted(self._pass.share):
+            if reducer is not None:
+                y_pred, loss, grads = self._forward_backward_reducing(x, y, sample_weight, on_loss, reducer)
+            elif self.gathers_parameters:
+                y_pred, loss, grads = self._gathered_forward_backward(x, y, sample_weight, on_loss)
+            elif self.forward_backward_xla:
+                y_pred, loss, grads, updates = self._replica_forward_backward()(x, y, sample_weight, on_loss)
+                # The layers' state updates (BatchNorm's moving statistics, dropout
+                # seeds), recorded inside the compiled function, are written here,
+                # in replica context, where a mirrored variable's assignment may
+                # synchronise (a `merge_call` cannot run inside a nested function).
+                self._assign_updates(updates)
+            elif self.jit_compile and not self.whole_step_xla:
+                with tfc.xla_compiled_ops():
+                    y_pred, loss, grads = self._forward_backward(x, y, sample_weight, on_loss)
+            else:
                 y_pred, loss, grads = self._forward_backward(x, y, sample_weight, on_loss)
-        else:
-            y_pred, loss, grads = self._forward_backward(x, y, sample_weight, on_loss)
         if weighted and self._pass.weight is not None:
             weight = self._pass.weight
             factor = weight * float(self.strategy.num_replicas_in_sync)
-        kc.track_loss(self.model, loss, batch)
+        kc.track_loss(self.model, loss, batch, loss_log_factor(self.model, self._pass.share))
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         grads = self.overwrite_from_replicas(grads)
         if not weighted:
@@ -792,6 +886,7 @@ class TrainStep:
     def __call__(self, data):
         """Runs one step; returns the replicas' summed metric state if it rode along, else None."""
         path = self.strategy.gradient_path
+        self.global_batch = local_global_batch(self.strategy, self.model, data)
         with self.strategy.scope():
             if self._compiled_step is not None:
                 self.strategy.run(self._compiled_step, args=(data,))

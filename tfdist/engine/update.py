@@ -14,7 +14,9 @@ under loss scaling):
 4. the optimizer's own `update_step` on each variable;
 5. constraints;
 6. EMA of the weights, and its periodic overwrite (`use_ema`,
-   `ema_overwrite_frequency`);
+   `ema_overwrite_frequency`); under Keras's `gradient_accumulation_steps`
+   the average also moves on the micro-steps that only accumulate, as in
+   Keras: those moves are made at the window's update, before 1;
 7. the iteration count.
 
 A `MultiOptimizer` runs this for each sub-optimizer on its variables, then
@@ -868,6 +870,9 @@ def _overwrite(v, g):
 
 def _update(optimizer, pairs, placement, decay_mask, constrain) -> None:
     learning_rate = optimizer.learning_rate
+    window = kc.keras_accumulation_steps(optimizer)
+    if optimizer.use_ema and window:
+        _average_waiting_micro_steps(optimizer, placement, window)
     kc.advance_per_step_state(optimizer)
 
     for _, v in pairs:
@@ -894,23 +899,47 @@ def _update(optimizer, pairs, placement, decay_mask, constrain) -> None:
 
     if optimizer.use_ema:
         iterations = optimizer.iterations
-        averages = kc.ema_averages(optimizer)
-        momentum = tf.cast(tf.not_equal(iterations, 0), tf.float32) * optimizer.ema_momentum
         overwrite = None
         if optimizer.ema_overwrite_frequency:
             overwrite = tf.equal((iterations + 1) % optimizer.ema_overwrite_frequency, 0)
-        for var, average in zip(kc.optimizer_trainable_variables(optimizer), averages):
-            if average is None:
-                continue
+        _move_averages(optimizer, placement, _ema_momentum(optimizer), overwrite)
 
-            def ema(avg, value):
-                m = tf.cast(momentum, avg.dtype)
-                return avg.assign(m * avg + (1.0 - m) * tf.convert_to_tensor(value))
 
-            placement.run(average, ema, kc.tf_variable(var))
-            if overwrite is not None:
+def _ema_momentum(optimizer):
+    """Keras's EMA momentum at this step: 0 at the first (the average starts as the weights)."""
+    return tf.cast(tf.not_equal(optimizer.iterations, 0), tf.float32) * optimizer.ema_momentum
 
-                def maybe_overwrite(x, avg):
-                    return x.assign(tf.where(overwrite, tf.convert_to_tensor(avg), tf.convert_to_tensor(x)))
 
-                placement.run(var, maybe_overwrite, kc.tf_variable(average))
+def _average_waiting_micro_steps(optimizer, placement, k: int) -> None:
+    """Keras's EMA moves of the `k - 1` micro-steps of a window that only accumulate, as one.
+
+    Under Keras's `Optimizer(gradient_accumulation_steps=k)` the average moves
+    on every micro-step (Keras 3.15 `_backend_apply_gradients`), by one
+    momentum `m` per window (its `iterations` count windows), towards weights
+    that change only at the window's update: `k - 1` moves by `m` are one
+    move by `m ** (k - 1)`, made before the update. (Keras's
+    `ema_overwrite_frequency` would also overwrite the weights on those
+    micro-steps, under the window's later micro-batches: refused at compile,
+    `tfdist.engine.loop.validate_compiled_model`.)
+    """
+    _move_averages(optimizer, placement, _ema_momentum(optimizer) ** (k - 1), overwrite=None)
+
+
+def _move_averages(optimizer, placement, momentum, overwrite) -> None:
+    """Every EMA average moves towards its weights by `momentum`; then, where `overwrite`, the weights take it."""
+    averages = kc.ema_averages(optimizer)
+    for var, average in zip(kc.optimizer_trainable_variables(optimizer), averages):
+        if average is None:
+            continue
+
+        def ema(avg, value):
+            m = tf.cast(momentum, avg.dtype)
+            return avg.assign(m * avg + (1.0 - m) * tf.convert_to_tensor(value))
+
+        placement.run(average, ema, kc.tf_variable(var))
+        if overwrite is not None:
+
+            def maybe_overwrite(x, avg):
+                return x.assign(tf.where(overwrite, tf.convert_to_tensor(avg), tf.convert_to_tensor(x)))
+
+            placement.run(var, maybe_overwrite, kc.tf_variable(average))
