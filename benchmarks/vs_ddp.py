@@ -30,6 +30,19 @@ logical CPU devices on its one core (`tfdist launch --devices-per-worker 2`;
 bucket summed in the worker, then across workers; the default) against one
 ring through all 4 devices (`hierarchical=False`).
 
+Beside the jobs, the exchange alone (`--no-exchange` skips it): the same
+2-worker set-up (pinned, one thread) sums a model's gradients, as zeros of
+the model's variable shapes, 20 times in a row with nothing else to do:
+TensorFlow's collective on one flat float32 buffer, tfdist's
+`collectives.all_reduce_sum` as the step calls it (buckets packed, summed,
+unpacked; float32 and `allreduce_dtype="bfloat16"`), and gloo's
+`all_reduce` of one flat buffer (what DDP's buckets go through). Each is
+given as wall time and as the CPU time of the worker's process (all its
+threads, on its one core) per exchange. Since a worker's one core both
+computes and exchanges, `step / (step + exchange CPU)`, with `step` the
+1-worker tfdist job's step time, bounds the efficiency that exchange allows
+even if it overlapped backprop perfectly.
+
 Throughput is samples/s of the whole job, and
 
     efficiency = samples/s with 2 workers / (2 * samples/s with 1 worker).
@@ -52,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -124,11 +138,15 @@ def tf_worker(args) -> None:
     with strategy.scope():
         model = keras_model(args.model)
     timer = EpochTimer()
-    model.fit(dataset, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0, callbacks=[timer])
+    # An epoch runs whole host calls (as Keras's steps_per_execution does): with
+    # sink_size K it runs `--steps` rounded up to a multiple of K, and the rate
+    # counts the steps it ran (counting `--steps` understated sink 32's by 20/32).
+    steps = math.ceil(args.steps / args.sink_size) * args.sink_size if args.sink_size else args.steps
+    model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, verbose=0, callbacks=[timer])
     steady = timer.steady_times()
     if index == 0:  # the chief (no `chief` task in these jobs)
         with open(args.out, "w") as f:
-            json.dump({"samples_per_s": args.steps * global_batch * len(steady) / sum(steady)}, f)
+            json.dump({"samples_per_s": steps * global_batch * len(steady) / sum(steady), "steps_per_epoch": steps}, f)
 
 
 def run_tfdist(strategy: str, model: str, workers: int, args, stage: int = 1, env: dict | None = None,
@@ -148,6 +166,164 @@ def run_tfdist(strategy: str, model: str, workers: int, args, stage: int = 1, en
             return float("nan")
         with open(out) as f:
             return json.load(f)["samples_per_s"]
+
+
+# --- the exchange alone ----------------------------------------------------
+EXCHANGE_REPEATS = 20
+
+
+def _timed(fn) -> dict:
+    """Wall and process CPU milliseconds per exchange of `fn()`, which runs `EXCHANGE_REPEATS` of them."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    fn()
+    return {"wall_ms": 1000 * (time.perf_counter() - wall) / EXCHANGE_REPEATS,
+            "cpu_ms": 1000 * (time.process_time() - cpu) / EXCHANGE_REPEATS}
+
+
+def tf_exchange_worker(args) -> None:
+    """One process of a 2-worker job that only sums the model's gradients (TF_CONFIG set by the launcher)."""
+    config = json.loads(os.environ["TF_CONFIG"])
+    index = config["task"]["index"]
+    common.pin_to_one_core(index)
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import tfdist
+    from tfdist import collectives
+    from tfdist.options import TrainingOptions
+
+    strategy = tfdist.get_strategy("multi_worker")
+    with strategy.scope():
+        model = keras_model(args.model)
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    elements = sum(math.prod(shape) for shape in shapes)
+    bucket_bytes = TrainingOptions().bucket_bytes
+    # Stand-ins for the gradients, read without a copy: no fill pass in the timing.
+    with tf.device("/cpu:0"):
+        parts = [tf.Variable(tf.ones(shape)) for shape in shapes]
+        flat = tf.Variable(tf.ones([elements]))
+
+    def loop(exchange):
+        @tf.function
+        def run():
+            def body(i, total):
+                def replica():
+                    sums = exchange()
+                    return tf.add_n([tf.reshape(t, [-1])[0] for t in sums])
+                return i + 1, total + strategy.experimental_local_results(strategy.run(replica))[0]
+            return tf.while_loop(lambda i, _: i < EXCHANGE_REPEATS, body, [0, 0.0])[1]
+        run()  # traced, and the collectives' groups formed
+        return _timed(run)
+
+    def one_buffer():
+        return [tf.distribute.get_replica_context().all_reduce("sum", flat.read_value())]
+
+    def tfdist_sum(dtype):
+        return lambda: collectives.all_reduce_sum([v.read_value() for v in parts], bucket_bytes, dtype)
+
+    result = {
+        "elements": elements,
+        "tf_one_buffer_float32": loop(one_buffer),
+        "tfdist_float32": loop(tfdist_sum("float32")),
+        "tfdist_bfloat16": loop(tfdist_sum("bfloat16")),
+    }
+    if index == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+def gloo_exchange_worker(args) -> None:
+    """One process of a 2-process gloo job that all-reduces one flat buffer of the model's size."""
+    rank = int(os.environ["RANK"])
+    common.pin_to_one_core(rank)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        elements = sum(p.numel() for p in torch_model(args.model).parameters())
+        flat = torch.zeros(elements)
+        dist.all_reduce(flat)
+        dist.barrier()
+
+        def run():
+            for _ in range(EXCHANGE_REPEATS):
+                dist.all_reduce(flat)
+
+        result = {"elements": elements, "gloo_float32": _timed(run)}
+        dist.barrier()
+        if rank == 0:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_exchange(model: str, args, have_torch: bool) -> dict:
+    """The exchange alone on 2 pinned workers: `{variant: {"wall_ms", "cpu_ms"}, "elements": n}`."""
+    from tfdist.launch import run_job
+
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "tf.json")
+        command = [sys.executable, os.path.abspath(__file__), "--tf-exchange-worker", "--out", path,
+                   "--model", model]
+        if run_job(command, workers=2, env=THREAD_ENV, timeout=args.timeout) == 0 and os.path.exists(path):
+            with open(path) as f:
+                out.update(json.load(f))
+        else:
+            print(f"  exchange {model}: the TensorFlow job failed", flush=True)
+        if have_torch:
+            path = os.path.join(tmp, "gloo.json")
+            command = [sys.executable, os.path.abspath(__file__), "--gloo-exchange-worker", "--out", path,
+                       "--model", model]
+            port = str(free_port())
+            envs = [{**THREAD_ENV, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": port} for r in range(2)]
+            run_processes([command] * 2, envs, args.timeout)
+            if os.path.exists(path):
+                with open(path) as f:
+                    gloo = json.load(f)
+                out["gloo_float32"] = gloo["gloo_float32"]
+                out.setdefault("elements", gloo["elements"])
+            else:
+                print(f"  exchange {model}: the gloo job failed", flush=True)
+    return out
+
+
+EXCHANGES = (("tf_one_buffer_float32", "TF collective, one float32 buffer"),
+             ("tfdist_float32", "tfdist all_reduce_sum, float32"),
+             ("tfdist_bfloat16", "tfdist all_reduce_sum, bfloat16"),
+             ("gloo_float32", "gloo all_reduce, one float32 buffer"))
+
+
+def print_exchanges(exchanges: dict, rows: list, args) -> list:
+    """Prints the exchange table; returns its rows (with each variant's efficiency bound)."""
+    header = (f"{'model':<22} {'exchange':<36} {'wall ms':>8} {'CPU ms':>8} {'1w step ms':>10} "
+              f"{'efficiency bound':>16}")
+    print()
+    print("The exchange alone: 2 workers, each pinned to one core, summing the model's gradients")
+    print(header)
+    print("-" * len(header))
+    table = []
+    for model, measured in exchanges.items():
+        one = next((r["samples_per_s_1"] for r in rows
+                    if r["model"] == MODEL_NAMES[model] and r["framework"] == "tfdist multi_worker"), None)
+        step_ms = 1000 * args.per_worker_batch / one if one else None
+        for key, label in EXCHANGES:
+            if key not in measured:
+                continue
+            m = measured[key]
+            bound = step_ms / (step_ms + m["cpu_ms"]) if step_ms else None
+            table.append({"model": MODEL_NAMES[model], "exchange": label, "elements": measured["elements"],
+                          **m, "tfdist_step_ms_1_worker": step_ms, "efficiency_bound": bound})
+            step = f"{step_ms:>10.1f}" if step_ms else f"{'-':>10}"
+            print(f"{MODEL_NAMES[model]:<22} {label:<36} {m['wall_ms']:>8.1f} {m['cpu_ms']:>8.1f} {step} "
+                  f"{(f'{bound:.2f}' if bound else '-'):>16}")
+    print("efficiency bound = 1-worker step / (1-worker step + the exchange's CPU time on the same core)")
+    return table
 
 
 # --- PyTorch DDP -----------------------------------------------------------
@@ -315,9 +491,11 @@ def main() -> None:
     p.add_argument("--devices-per-worker", type=int, default=0, metavar="K",
                    help="extra rows: every worker trains K logical CPU devices on its one core, with the "
                         "hierarchical exchange (default) and with one ring through every device (K >= 2)")
+    p.add_argument("--no-exchange", action="store_true", help="leave out the exchange-alone table")
     p.add_argument("--ceiling-seconds", type=float, default=6.0, help="seconds per ceiling run (default 6)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per job (default 600)")
-    for hidden in ("--tf-worker", "--ddp-worker", "--matmul-worker", "--flat"):
+    for hidden in ("--tf-worker", "--ddp-worker", "--matmul-worker", "--flat", "--tf-exchange-worker",
+                   "--gloo-exchange-worker"):
         p.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
     for hidden, kind in (("--out", str), ("--strategy", str), ("--model", str), ("--core", int),
                          ("--seconds", float), ("--stage", int), ("--sink-size", int)):
@@ -329,6 +507,10 @@ def main() -> None:
         return ddp_worker(args)
     if args.matmul_worker:
         return matmul_worker(args)
+    if args.tf_exchange_worker:
+        return tf_exchange_worker(args)
+    if args.gloo_exchange_worker:
+        return gloo_exchange_worker(args)
     if args.quick:
         args.epochs, args.steps, args.ceiling_seconds = 3, 6, 2.0
 
@@ -393,6 +575,7 @@ def main() -> None:
                          "samples_per_s_2": two, "efficiency": efficiency})
             print(f"  {MODEL_NAMES[model]:<22} {framework:<38} {one:>9.0f} {two:>9.0f} {efficiency:>5.2f}",
                   flush=True)
+    exchanges = {} if args.no_exchange else {model: measure_exchange(model, args, have_torch) for model in args.models}
     load_after = os.getloadavg()
     # Load from other programs moves the ceiling during a run: measured again at the end, the
     # efficiencies are given as fractions of the mean of the two.
@@ -416,11 +599,13 @@ def main() -> None:
           f"before, {ceiling_after['efficiency_ceiling']:.2f} after (mean {reference:.2f}); "
           f"1-min load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print("samples/s of the whole job; efficiency = 2-worker / (2 x 1-worker); of ceiling = efficiency / host ceiling")
+    exchange_rows = print_exchanges(exchanges, rows, args) if exchanges else []
     common.write_results("vs_ddp", {
         "epochs": args.epochs, "steps_per_epoch": args.steps, "per_worker_batch": args.per_worker_batch,
         "quick": args.quick, "torch": torch_version(), "ceiling": ceiling,
         "ceiling_after": ceiling_after, "ceiling_mean": reference,
         "load_average_before": load_before, "load_average_after": load_after, "rows": rows,
+        "exchange_repeats": EXCHANGE_REPEATS, "exchanges": exchange_rows,
     })
 
 
