@@ -31,8 +31,9 @@ bucket summed in the worker, then across workers; the default) against one
 ring through all 4 devices (`hierarchical=False`).
 
 Beside the jobs, the exchange alone (`--no-exchange` skips it): the same
-2-worker set-up (pinned, one thread) sums a model's gradients, as zeros of
-the model's variable shapes, 20 times in a row with nothing else to do:
+2-worker set-up (pinned, one thread) sums stand-ins for a model's gradients
+(buffers of its variables' shapes, read from variables: no fill pass timed)
+20 times in a row with nothing else to do:
 TensorFlow's collective on one flat float32 buffer, tfdist's
 `collectives.all_reduce_sum` as the step calls it (buckets packed, summed,
 unpacked; float32 and `allreduce_dtype="bfloat16"`), and gloo's
