@@ -114,8 +114,8 @@ def keras_model(name: str):
     return model
 
 
-def tf_worker(args) -> None:
-    """One process of a tfdist job (TF_CONFIG is set by the launcher)."""
+def tf_process() -> tuple:
+    """A tfdist job's process (TF_CONFIG set by the launcher) pinned to its core, one thread: `(index, workers, tf)`."""
     config = json.loads(os.environ["TF_CONFIG"])
     index, workers = config["task"]["index"], len(config["cluster"]["worker"])
     common.pin_to_one_core(index)
@@ -123,6 +123,12 @@ def tf_worker(args) -> None:
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    return index, workers, tf
+
+
+def tf_worker(args) -> None:
+    """One process of a tfdist job (TF_CONFIG is set by the launcher)."""
+    index, workers, tf = tf_process()
     import tfdist
     from tfdist.timing import EpochTimer
 
@@ -169,6 +175,29 @@ def run_tfdist(strategy: str, model: str, workers: int, args, stage: int = 1, en
             return json.load(f)["samples_per_s"]
 
 
+def torch_process() -> tuple:
+    """A gloo job's process (RANK, WORLD_SIZE, MASTER_ADDR/PORT from `gloo_envs`), pinned, one thread, joined.
+
+    Returns `(rank, world, torch, torch.distributed)`; the caller destroys the process group.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    common.pin_to_one_core(rank)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return rank, world, torch, dist
+
+
+def gloo_envs(workers: int) -> list:
+    """The environment of each process of a `workers`-process gloo job on a free 127.0.0.1 port."""
+    port = str(free_port())
+    return [{**THREAD_ENV, "RANK": str(r), "WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": port} for r in range(workers)]
+
+
 # --- the exchange alone ----------------------------------------------------
 EXCHANGE_REPEATS = 20
 
@@ -183,13 +212,7 @@ def _timed(fn) -> dict:
 
 def tf_exchange_worker(args) -> None:
     """One process of a 2-worker job that only sums the model's gradients (TF_CONFIG set by the launcher)."""
-    config = json.loads(os.environ["TF_CONFIG"])
-    index = config["task"]["index"]
-    common.pin_to_one_core(index)
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    index, _, tf = tf_process()
     import tfdist
     from tfdist import collectives
     from tfdist.options import TrainingOptions
@@ -236,13 +259,7 @@ def tf_exchange_worker(args) -> None:
 
 def gloo_exchange_worker(args) -> None:
     """One process of a 2-process gloo job that all-reduces one flat buffer of the model's size."""
-    rank = int(os.environ["RANK"])
-    common.pin_to_one_core(rank)
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    rank, _, torch, dist = torch_process()
     try:
         elements = sum(p.numel() for p in torch_model(args.model).parameters())
         flat = torch.zeros(elements)
@@ -280,10 +297,7 @@ def measure_exchange(model: str, args, have_torch: bool) -> dict:
             path = os.path.join(tmp, "gloo.json")
             command = [sys.executable, os.path.abspath(__file__), "--gloo-exchange-worker", "--out", path,
                        "--model", model]
-            port = str(free_port())
-            envs = [{**THREAD_ENV, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": port} for r in range(2)]
-            run_processes([command] * 2, envs, args.timeout)
+            run_processes([command] * 2, gloo_envs(2), args.timeout)
             if os.path.exists(path):
                 with open(path) as f:
                     gloo = json.load(f)
@@ -345,16 +359,10 @@ def torch_model(name: str):
 
 def ddp_worker(args) -> None:
     """One process of a DDP job (RANK, WORLD_SIZE, MASTER_ADDR/PORT set by `run_ddp`)."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    common.pin_to_one_core(rank)
-    import torch
-    import torch.distributed as dist
+    rank, world, torch, dist = torch_process()
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
     torch.manual_seed(0)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = DistributedDataParallel(torch_model(args.model))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -418,10 +426,7 @@ def run_ddp(model: str, workers: int, args) -> float:
         command = [sys.executable, os.path.abspath(__file__), "--ddp-worker", "--out", out, "--model", model,
                    "--epochs", str(args.epochs), "--steps", str(args.steps),
                    "--per-worker-batch", str(args.per_worker_batch)]
-        port = str(free_port())
-        envs = [{**THREAD_ENV, "RANK": str(r), "WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": port} for r in range(workers)]
-        codes = run_processes([command] * workers, envs, args.timeout)
+        codes = run_processes([command] * workers, gloo_envs(workers), args.timeout)
         if not os.path.exists(out):
             print(f"  ddp {model} {workers} worker(s): job failed with status {codes}", flush=True)
             return float("nan")

@@ -678,19 +678,26 @@ def _sums(loss_fn) -> bool:
     return reduction in (None, "none", "sum")
 
 
+def _compiled_losses(model) -> list:
+    """`model`'s compiled losses, one entry per output (`CompileLoss._flat_losses`; empty before it is built).
+
+    Verified on Keras 3.15.
+    """
+    return list(getattr(getattr(model, "_compile_loss", None), "_flat_losses", None) or ())
+
+
 def compiled_losses_sum(model) -> bool:
     """Whether every loss `model` was compiled with is a sum over its batch (reduction "sum", "none" or None).
 
-    Reads `CompileLoss._flat_losses` (built with the compiled loss); False
-    where it is missing or empty. Verified on Keras 3.15.
+    False where there is none yet.
     """
-    losses = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None)
+    losses = _compiled_losses(model)
     return bool(losses) and all(_sums(entry[1]) for entry in losses)
 
 
 def compiled_loss_count(model) -> int:
-    """How many losses `model` was compiled with, one per output (`CompileLoss._flat_losses`; 0 before it is built)."""
-    return len(getattr(getattr(model, "_compile_loss", None), "_flat_losses", None) or ())
+    """How many losses `model` was compiled with, one per output (0 before the compiled loss is built)."""
+    return len(_compiled_losses(model))
 
 
 def output_losses_weighted(weight):
