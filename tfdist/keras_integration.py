@@ -797,7 +797,7 @@ def _apply_to_shards(optimizer, grads: list, trainable_variables) -> None:
     if scale is not None:
         grads = [g if g is None else g / scale for g in grads]
     update.apply_update(
-        optimizer, kc.clip_gradients(optimizer, grads), list(trainable_variables), update.AtomicInPlace()
+        optimizer, kc.clip_gradients(optimizer, grads), list(trainable_variables), update.LockedInPlace()
     )
 
 

@@ -266,6 +266,12 @@ def _only(ops, variable, op_types) -> tf.Operation:
 _WRITES = ("AssignAddVariableOp", "AssignVariableOp")
 
 
+def _critical_sections(ops) -> list:
+    """`(MutexLock, ConsumeMutexLock)` of each critical section executed in `ops`."""
+    consumed = {op.inputs[0].op: op for op in ops if op.type == "ConsumeMutexLock"}
+    return [(lock, consumed[lock]) for lock in ops if lock.type == "MutexLock"]
+
+
 @pytest.mark.parametrize("make", [
     lambda: keras.optimizers.Adam(0.05),
     lambda: keras.optimizers.AdamW(0.05, weight_decay=0.1),
@@ -273,26 +279,33 @@ _WRITES = ("AssignAddVariableOp", "AssignVariableOp")
     lambda: keras.optimizers.Adamax(0.05),
     lambda: keras.optimizers.Nadam(0.05),
 ], ids=["adam", "adamw", "amsgrad", "adamax", "nadam"])
-def test_parameter_server_placement_orders_adams_reads_and_writes_and_matches_keras(make):
+def test_parameter_server_placement_locks_each_variables_update_and_matches_keras(make):
     # Workers update ps variables concurrently: a worker that reads another's new m must
     # also read that worker's new v, or its step divides by a v without the square (where
-    # v was 0, lr * m / epsilon). So m is read before v (and v before v_hat), and the
-    # slots are written the other way round.
+    # v was 0, lr * m / epsilon). Each variable's update_step (Keras's own ops) runs
+    # inside one critical section: every read and write of the variable and its slots
+    # comes after the section's lock and before its release.
     from tfdist.engine import update
 
     expected, _ = _adam_steps(update.InPlace(), make())
     optimizer = make()
-    got, ops = _adam_steps(update.AtomicInPlace(), optimizer)
+    got, ops = _adam_steps(update.LockedInPlace(), optimizer)
     assert max_relative_difference(got, expected) == 0  # Keras's ops on the same values
-    for slots in _slots(optimizer):
-        reads = [_only(ops, s, ["ReadVariableOp"]) for s in slots]
-        writes = [_only(ops, s, _WRITES) for s in slots]
-        for earlier, later in zip(range(len(slots)), range(1, len(slots))):
-            assert _depends(reads[later], reads[earlier]) and _depends(writes[earlier], writes[later])
+    model_variables = optimizer._trainable_variables
+    sections = _critical_sections(ops)
+    assert len(sections) == len(model_variables)
+    for variable, slots in zip(model_variables, _slots(optimizer)):
+        accesses = [op for s in slots for t in ("ReadVariableOp",) + _WRITES for op in _ops_on(ops, s, t)]
+        accesses += [op for t in _WRITES for op in _ops_on(ops, variable, t)]
+        assert accesses
+        assert any(
+            all(_depends(op, lock) and _depends(release, op) for op in accesses) for lock, release in sections
+        ), variable.path
 
     # Keras's own update_step orders none of the writes: the race this placement closes.
     optimizer = make()
     _, ops = _adam_steps(update.InPlace(), optimizer)
+    assert not _critical_sections(ops)
     for m, v, *_ in _slots(optimizer):
         m_writes = [w for t in _WRITES for w in _ops_on(ops, m, t)]
         v_writes = [w for t in _WRITES for w in _ops_on(ops, v, t)]
@@ -309,9 +322,9 @@ class OwnAdam(keras.optimizers.Adam):
     lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     lambda: keras.optimizers.RMSprop(0.05, momentum=0.9),
 ], ids=["subclass", "sgd", "rmsprop"])
-def test_parameter_server_placement_runs_other_optimizers_own_update_step(make):
+def test_parameter_server_placement_runs_every_optimizers_own_update_step(make):
     from tfdist.engine import update
 
     expected, _ = _adam_steps(update.InPlace(), make())
-    got, _ = _adam_steps(update.AtomicInPlace(), make())
+    got, _ = _adam_steps(update.LockedInPlace(), make())
     assert max_relative_difference(got, expected) == 0

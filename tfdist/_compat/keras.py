@@ -171,26 +171,61 @@ def optimizer_name_scope(optimizer):
     return keras_backend.name_scope(optimizer.name, caller=optimizer)
 
 
-def advance_per_step_state(optimizer) -> None:
-    """State an optimizer advances once per step outside `update_step`.
+def _placed_backend_update_step(self, grads, trainable_variables, learning_rate):
+    """What tfdist puts in the place of Keras's TensorFlow backend for `_backend_update_step`.
 
-    Nadam advances its `u_product` in `Nadam._backend_update_step`, which
-    Keras reaches through the distributed merge_call that tfdist's update has
-    already replaced; without this, Nadam under a strategy divides by a
-    `u_product` stuck at 1 and trains to NaN.
+    Keras splits an optimizer's update in two: the optimizer's own classes
+    (`Nadam._backend_update_step`, which advances its `u_product` once per
+    step and calls `super()`; every `update_step`) and the backend's
+    `_backend_update_step` below them, which on TensorFlow all-reduces in a
+    replica context and reaches each variable's `update_step` through
+    `strategy.extended.update` under a `merge_call`. tfdist updates in
+    cross-replica context on gradients it already reduced, and places each
+    variable's update itself: this method, in a class put between the
+    optimizer's own classes and Keras's TensorFlow backend
+    (`run_update_step`), hands each `(gradient, variable)` to the placement.
+    Verified on Keras 3.5 to 3.15 (`keras.src.backend.tensorflow.optimizer.TFOptimizer`).
     """
-    from keras.src.optimizers.nadam import Nadam
+    place = self.__dict__["_tfdist_place_update"]
+    for grad, variable in zip(grads, trainable_variables):
+        place(variable, grad, learning_rate)
 
-    if isinstance(optimizer, Nadam):
-        from keras.src import ops
 
-        dtype = optimizer._u_product.dtype
-        optimizer.assign(
-            optimizer._u_product,
-            optimizer._u_product
-            * optimizer.beta_1
-            * (1.0 - 0.5 * ops.power(0.96, ops.cast(optimizer.iterations + 1, dtype))),
-        )
+_placed_update_classes: dict = {}
+
+
+def _placed_update_class(cls):
+    """`cls` with tfdist's `_backend_update_step` just above Keras's TensorFlow backend class in its MRO (same name)."""
+    if cls not in _placed_update_classes:
+        from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+        backend = type("PlacedUpdateBackend", (TFOptimizer,), {"_backend_update_step": _placed_backend_update_step})
+        derived = type(cls.__name__, (cls, backend), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        mro = derived.__mro__
+        if TFOptimizer not in mro or mro.index(backend) != mro.index(TFOptimizer) - 1:
+            raise TypeError(f"{cls.__name__} does not derive from Keras's TensorFlow optimizer class")
+        _placed_update_classes[cls] = derived
+    return _placed_update_classes[cls]
+
+
+def run_update_step(optimizer, grads: Sequence, variables: Sequence, learning_rate, place) -> None:
+    """Runs the optimizer's `_backend_update_step` with `place(variable, gradient, learning_rate)` for each variable.
+
+    The optimizer's own `_backend_update_step` (Nadam's once-per-step
+    `u_product`, a subclass's override) runs as Keras runs it; where its
+    `super()` reaches the TensorFlow backend, each variable's update goes to
+    `place`, which runs the optimizer's `update_step` where the strategy puts
+    it. The optimizer's class is a same-named subclass with tfdist's backend
+    for the call only (`_PlacedUpdateBackend`), then its own again.
+    """
+    cls = optimizer.__class__
+    object.__setattr__(optimizer, "_tfdist_place_update", place)
+    optimizer.__class__ = _placed_update_class(cls)
+    try:
+        optimizer._backend_update_step(list(grads), list(variables), learning_rate)
+    finally:
+        optimizer.__class__ = cls
+        object.__delattr__(optimizer, "_tfdist_place_update")
 
 
 def weight_decay_rate(optimizer, variable, masked: bool = False):
@@ -1154,40 +1189,6 @@ def slots_as_flat(optimizer, variable, local):
     """Inside: the 2-D slots of `variable` read and written as flat vectors (`SlotRows`), as `slots_as_chunks`."""
     with _slot_entries_replaced(optimizer, variable, _slot_of(variable, local, SlotRows)) as views:
         yield views
-
-
-def adam_family_slots(optimizer, variable):
-    """`(kind, slots)`: the Keras slot variables of an Adam-family update of `variable`, or None.
-
-    `kind` is "adam" (Adam, AdamW; slots m, v, and v_hat with AMSGrad),
-    "adamax" (m, u) or "nadam" (m, v), the numerator m first, and only when
-    the optimizer's `update_step` is Keras's own, whose formulas
-    `tfdist.engine.update.ordered_update` repeats. Reads Keras's private
-    `_momentums`, `_velocities`, `_velocity_hats`, `_m`, `_u` and
-    `_get_variable_index` (Keras 3.x; tests/engine/test_update.py fails if
-    they move).
-    """
-    from keras.src.optimizers.adam import Adam
-    from keras.src.optimizers.adamax import Adamax
-    from keras.src.optimizers.nadam import Nadam
-
-    kinds = {
-        Adam.update_step: ("adam", ["_momentums", "_velocities"]),
-        Adamax.update_step: ("adamax", ["_m", "_u"]),
-        Nadam.update_step: ("nadam", ["_momentums", "_velocities"]),
-    }
-    kind, attributes = kinds.get(type(optimizer).update_step, (None, None))
-    if kind is None:
-        return None
-    if kind == "adam" and optimizer.amsgrad:
-        attributes = attributes + ["_velocity_hats"]
-    index = optimizer._get_variable_index(variable)
-    return kind, [getattr(optimizer, name)[index] for name in attributes]
-
-
-def nadam_u_product(optimizer):
-    """Nadam's momentum-cache product variable (Keras's private `_u_product`)."""
-    return optimizer._u_product
 
 
 def all_layers(model) -> list:

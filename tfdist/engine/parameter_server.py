@@ -65,8 +65,8 @@ def parameter_server(step, data) -> None:
 
 
 # Each worker writes the ps variables from its own step, unsynchronised
-# (Adam's update of one variable locked, `AtomicInPlace`).
-PARAMETER_SERVER = GradientPath("parameter_server", parameter_server, lambda strategy: update.AtomicInPlace())
+# (each variable's update locked on its ps task, `LockedInPlace`).
+PARAMETER_SERVER = GradientPath("parameter_server", parameter_server, lambda strategy: update.LockedInPlace())
 
 
 # Step options the parameter-server step honours; the others must keep their defaults.

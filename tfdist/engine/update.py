@@ -78,7 +78,6 @@ import warnings
 import weakref
 from typing import Callable, Sequence
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -674,136 +673,43 @@ class InPlace(Placement):
         fn(kc.tf_variable(variable), *args)
 
 
-class AtomicInPlace(InPlace):
-    """`InPlace`, with an Adam-family update whose reads and writes are ordered across workers.
+class LockedInPlace(InPlace):
+    """`InPlace`, each variable's `update_step` run under a lock held on the variable's device.
 
-    Keras's `Adam.update_step` is separate ops: add to m, add to v, then read
-    both and subtract from the variable, with nothing ordering m's ops against
-    v's. Two workers updating the same ps variable interleave them, so one can
-    read the other's new m with v still without the matching square: where v
-    was 0 (a ReLU unit or an embedding row this worker's batch left untouched)
-    its step is `lr * m / epsilon`, about 1e4 times too large, and training
-    diverged (the digits MLP's test loss 3.6 instead of 0.13-0.18 in a CI run,
-    the zoo's recommender in 2 of 27 runs). Adam with AMSGrad, Adamax (its
-    max-norm u) and Nadam have the same hazard.
-
-    Here the update computes Keras's formulas (the same `keras.ops` on the same
-    values, so one worker's result is Keras's to the bit) from one read of each
-    slot, the numerator m first, and writes the slots in the opposite order,
-    m last: a worker that reads another's new m then reads the denominators
-    after that worker wrote them, so the m and v it divides always hold the
-    same updates (TensorFlow's `ResourceApplyAdam` would lock instead, but
-    squares a sparse gradient after summing its duplicate rows, where Keras
-    sums the squares). Other optimizers run their own `update_step`, unordered.
+    Workers of a parameter-server job update the same ps variables
+    concurrently, without synchronisation. An optimizer's `update_step` is
+    several ops (Keras's Adam: add to m, add to v, then read both and subtract
+    from the variable) with nothing ordering one worker's against another's,
+    so one can read another's new m with v still without the matching square:
+    where v was 0 (a ReLU unit or an embedding row this worker's batch left
+    untouched) its step is `lr * m / epsilon`, about 1e4 times too large, and
+    training diverged (the digits MLP's test loss 3.6 instead of 0.13-0.18 in
+    a CI run, the zoo's recommender in 2 of 27 runs). Here the optimizer's own
+    `update_step` of one variable runs inside a `tf.CriticalSection` whose
+    mutex lives on the variable's (first shard's) device, shared by every
+    worker by name: one worker's reads and writes of the variable and its
+    slots never interleave with another's, whatever the optimizer (Keras's
+    `use_locking`, for any `update_step`). Updates of different variables
+    still run concurrently.
     """
 
     def update_step(self, optimizer, variable, grad, learning_rate) -> None:
-        slots = kc.adam_family_slots(optimizer, variable)
-        if slots is None:
-            super().update_step(optimizer, variable, grad, learning_rate)
-            return
-        ordered_update(optimizer, variable, slots, grad, learning_rate)
+        target = kc.tf_variable(variable)
+        device = kc.raw_variable_parts(variable)[0].device
+        with tf.device(device):
+            # One mutex per variable on its ps task, found by every worker's
+            # step by this name (the chief traces every worker's function).
+            section = tf.CriticalSection(shared_name=f"tfdist_update_{id(target)}")
 
+        def locked():
+            graph = tf.compat.v1.get_default_graph()
+            first = len(graph.get_operations())
+            optimizer.update_step(grad, target, learning_rate)
+            # The lock is released once every op of the update has run.
+            with tf.control_dependencies(graph.get_operations()[first:]):
+                return tf.constant(True)
 
-def _read(variable) -> tf.Tensor:
-    parts = kc.raw_variable_parts(variable)
-    values = [p.read_value() for p in parts]
-    return values[0] if len(values) == 1 else tf.concat(values, axis=0)
-
-
-def _write(variable, value, method: str) -> list:
-    """`method` ("assign", "assign_add", "assign_sub") of `value` to each part of `variable`."""
-    parts = kc.raw_variable_parts(variable)
-    value = tf.cast(tf.convert_to_tensor(value), parts[0].dtype)
-    pieces = [value] if len(parts) == 1 else tf.split(value, [p.shape[0] for p in parts], axis=0)
-    return [getattr(p, method)(piece) for p, piece in zip(parts, pieces)]
-
-
-def _adam(optimizer, dtype, lr, gradient, m, v, v_hat=None):
-    """`keras.optimizers.Adam.update_step` on slot values: `(slot writes, step)`."""
-    ops = keras.ops
-    local_step = ops.cast(optimizer.iterations + 1, dtype)
-    beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), local_step)
-    beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), local_step)
-    alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-    m_delta = ops.multiply(ops.subtract(gradient, m), 1 - optimizer.beta_1)
-    v_delta = ops.multiply(ops.subtract(ops.square(gradient), v), 1 - optimizer.beta_2)
-    m, v = m + m_delta, v + v_delta
-    writes = [(m_delta, "assign_add"), (v_delta, "assign_add")]
-    if v_hat is not None:  # AMSGrad
-        v = ops.maximum(v_hat, v)
-        writes.append((v, "assign"))
-    return writes, ops.divide(ops.multiply(m, alpha), ops.add(ops.sqrt(v), optimizer.epsilon))
-
-
-def _adamax(optimizer, dtype, lr, gradient, m, u):
-    """`keras.optimizers.Adamax.update_step` on slot values: `(slot writes, step)`."""
-    ops = keras.ops
-    local_step = ops.cast(optimizer.iterations + 1, dtype)
-    beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), local_step)
-    m_delta = ops.multiply(ops.subtract(gradient, m), 1 - optimizer.beta_1)
-    m = m + m_delta
-    u = ops.maximum(ops.multiply(optimizer.beta_2, u), ops.abs(gradient))
-    step = ops.divide(ops.multiply(lr, m), ops.multiply(1 - beta_1_power, ops.add(u, optimizer.epsilon)))
-    return [(m_delta, "assign_add"), (u, "assign")], step
-
-
-def _nadam(optimizer, dtype, lr, gradient, m, v):
-    """`keras.optimizers.Nadam.update_step` on slot values: `(slot writes, step)`.
-
-    Its momentum-cache product (`_u_product`, one scalar) is advanced once per
-    step before the variables' updates (`kc.advance_per_step_state`).
-    """
-    ops = keras.ops
-    local_step = ops.cast(optimizer.iterations + 1, dtype)
-    next_step = ops.cast(optimizer.iterations + 2, dtype)
-    decay = ops.cast(0.96, dtype)
-    beta_1 = ops.cast(optimizer.beta_1, dtype)
-    beta_2 = ops.cast(optimizer.beta_2, dtype)
-    u_t = beta_1 * (1.0 - 0.5 * (ops.power(decay, local_step)))
-    u_t_1 = beta_1 * (1.0 - 0.5 * (ops.power(decay, next_step)))
-    u_product_t = ops.cast(kc.nadam_u_product(optimizer), dtype)
-    u_product_t_1 = u_product_t * u_t_1
-    beta_2_power = ops.power(beta_2, local_step)
-    m_delta = ops.multiply(ops.subtract(gradient, m), (1 - beta_1))
-    v_delta = ops.multiply(ops.subtract(ops.square(gradient), v), (1 - beta_2))
-    m, v = m + m_delta, v + v_delta
-    m_hat = ops.add(
-        ops.divide(ops.multiply(u_t_1, m), 1 - u_product_t_1),
-        ops.divide(ops.multiply(1 - u_t, gradient), 1 - u_product_t),
-    )
-    v_hat = ops.divide(v, (1 - beta_2_power))
-    step = ops.divide(ops.multiply(m_hat, lr), ops.add(ops.sqrt(v_hat), optimizer.epsilon))
-    return [(m_delta, "assign_add"), (v_delta, "assign_add")], step
-
-
-_FORMULAS = {"adam": _adam, "adamax": _adamax, "nadam": _nadam}
-
-
-def ordered_update(optimizer, variable, slots, grad, learning_rate) -> None:
-    """Keras's Adam-family step of `variable`: slots read m first, written m last.
-
-    `slots` is `kc.adam_family_slots`'s `(kind, [m, ...])`. Mirrors the
-    optimizer's `update_step` op for op (`_adam`, `_adamax`, `_nadam`), with
-    each slot variable replaced by one read of it; the variable itself takes
-    the step from those reads (`assign_sub`).
-    """
-    kind, slot_variables = slots
-    dtype = kc.raw_variable_parts(variable)[0].dtype
-    values, after = [], []
-    for slot in slot_variables:
-        with tf.control_dependencies(after):
-            value = _read(slot)
-        values.append(value)
-        after = [value]
-    writes, step = _FORMULAS[kind](
-        optimizer, dtype, keras.ops.cast(learning_rate, dtype), keras.ops.cast(grad, dtype), *values
-    )
-    after = []
-    for slot, (value, method) in reversed(list(zip(slot_variables, writes))):
-        with tf.control_dependencies(after):
-            after = _write(slot, value, method)
-    _write(variable, step, "assign_sub")
+        section.execute(locked, exclusive_resource_access=False)
 
 
 def apply_update(
@@ -823,7 +729,7 @@ def apply_update(
         grads: one gradient (or `None`) per variable; per-replica values or
             tensors, as `placement` expects.
         variables: the variables, in the order of `grads`.
-        placement: where each update runs (`EveryCopy`, `InPlace`).
+        placement: where each update runs (`EveryCopy`, `InPlace`, ...).
         decay_mask: Optional callable `() -> mask or None`, called where the
             update runs: weight decay applies to every element of every
             variable, scaled by the mask (the sharded optimizer's flat slice,
@@ -873,8 +779,6 @@ def _update(optimizer, pairs, placement, decay_mask, constrain) -> None:
     window = kc.keras_accumulation_steps(optimizer)
     if optimizer.use_ema and window:
         _average_waiting_micro_steps(optimizer, placement, window)
-    kc.advance_per_step_state(optimizer)
-
     for _, v in pairs:
         rate = kc.weight_decay_rate(optimizer, v, masked=decay_mask is not None)
         if rate is None:
@@ -889,8 +793,12 @@ def _update(optimizer, pairs, placement, decay_mask, constrain) -> None:
 
         placement.run(v, decay)
 
-    for g, v in pairs:
-        placement.update_step(optimizer, v, g, learning_rate)
+    # The optimizer's own `_backend_update_step` (Nadam's once-per-step state
+    # first), each variable's `update_step` where the placement runs it.
+    kc.run_update_step(
+        optimizer, [g for g, _ in pairs], [v for _, v in pairs], learning_rate,
+        lambda v, g, lr: placement.update_step(optimizer, v, g, lr),
+    )
 
     if constrain:
         for _, v in pairs:
