@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist._compat import keras as kc
+from tfdist.strategies.sharded import sharded_state
 
 KINDS = ("weights", "optimizer_state", "parameter_shard", "gradient_buffers")
 
@@ -95,10 +96,11 @@ def memory_report(model) -> dict[str, dict[str, int]]:
                 add(_device(part), kind, _nbytes(part))
 
     optimizer = getattr(model, "optimizer", None)
-    sharded = kc.sharded_state(optimizer) if optimizer is not None else None
+    sharded = sharded_state(optimizer)
     count(model.weights, "weights")
     if optimizer is not None:
-        count(optimizer.variables, "optimizer_state")
+        # A sharded optimizer's state copies that hold memory (whole-variable state on its owner only).
+        count(optimizer.variables if sharded is None else sharded.held_state(), "optimizer_state")
     for device, nbytes in _gradient_buffers(model, sharded).items():
         add(device, "gradient_buffers", nbytes)
     for device, entry in report.items():
@@ -128,8 +130,8 @@ def measured_peak(device: str, memory_info=None) -> int | None:
 def _gradient_buffers(model, sharded) -> dict[str, int]:
     strategy = kc.model_strategy(model)
     trainable = model.trainable_variables
-    if sharded is not None and sharded.layout is not None:
-        devices = [_device(p) for p in _parts(sharded.flat)]
+    if sharded is not None and sharded.built:
+        devices = [_device(p) for p in sharded.replica_devices()]
         return {d: sharded.gradient_buffer_estimate() for d in devices}
     parameter_device = getattr(strategy, "parameter_device", None)
     out: dict[str, int] = {}

@@ -63,7 +63,7 @@ def main() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
     import tfdist
-    from tfdist._compat import keras as kc
+    from tfdist.strategies.sharded import sharded_state
     from tfdist.collectives import collective_ops_in
 
     x, y = data()
@@ -79,7 +79,7 @@ def main() -> None:
         with strategy.scope():
             model = build()
         history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-        state = kc.sharded_state(model.optimizer)
+        state = sharded_state(model.optimizer)
         # Collectives: every worker gathers, saves and checkpoints, in the same order.
         canonical = state.canonical_values()
         path = strategy.write_dir(os.path.join(args.out, f"stage{stage}.keras"))

@@ -20,6 +20,7 @@ from tests.conftest import DEVICES, build_model, max_relative_difference
 from tests.strategies.parity import StopAfterFirstEpoch, own_step_model
 from tfdist._compat import keras as kc
 from tfdist.sharding import FlatLayout, gather_shard
+from tfdist.strategies.sharded import sharded_state
 
 # Weights after 50 steps agree to float32 round-off (measured: 0.0 for stage 1,
 # about 1e-7 for stage 2, where sums run in another order).
@@ -52,7 +53,7 @@ def built(strategy, optimizer_fn):
 
 def canonical(model) -> list:
     """The optimizer state as a single-device optimizer lays it out."""
-    state = kc.sharded_state(model.optimizer)
+    state = sharded_state(model.optimizer)
     if state is not None:
         return state.canonical_values()
     return [np.asarray(v.numpy()) for v in model.optimizer.variables]
@@ -322,7 +323,7 @@ def test_embedding_rows_update_as_on_one_device_in_small_buckets(name, stage, to
     with sharded(3, stage=stage, bucket_bytes=256).scope():
         model = _embedding_model(_EMBEDDING_OPTIMIZERS[name]())
     model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
-    layout = kc.sharded_state(model.optimizer).layout
+    layout = sharded_state(model.optimizer).layout
     assert (layout.num_buckets, layout.chunk_size) == (5, 18)
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
     assert max_relative_difference(canonical(reference), canonical(model)) < 1e-5
@@ -368,7 +369,7 @@ def test_mixed_float16_trains_like_mirrored_and_saves_the_single_device_layout(s
     adam = lambda: keras.optimizers.Adam(1e-3)  # noqa: E731
     mirrored = train(tfdist.get_strategy("mirrored", devices=DEVICES[4], precision="mixed_float16"), adam, x, y)
     model = train(sharded(4, stage=stage, precision="mixed_float16"), adam, x, y)
-    assert kc.is_loss_scale_optimizer(model.optimizer) and kc.sharded_state(model.optimizer) is not None
+    assert kc.is_loss_scale_optimizer(model.optimizer) and sharded_state(model.optimizer) is not None
     assert model.layers[0].compute_dtype == "float16" and model.layers[0].kernel.dtype == "float32"
     assert max_relative_difference(mirrored.get_weights(), model.get_weights()) < 1e-6
     assert model.optimizer.dynamic_scale.numpy() == mirrored.optimizer.dynamic_scale.numpy()
@@ -450,7 +451,7 @@ def test_adam_state_per_replica_is_one_nth_of_mirrored(n):
     mirrored, model = models
     full = tfdist.memory_report(mirrored)
     split = tfdist.memory_report(model)
-    layout = kc.sharded_state(model.optimizer).layout
+    layout = sharded_state(model.optimizer).layout
     scalars = 8 + 4  # iteration (int64) and learning rate (float32), on every replica
     assert sorted(split) == sorted(full) and len(split) == n
     for device in split:
@@ -754,7 +755,7 @@ def _step_graph(stage, bucket_bytes, digits, by_layer=True, **options):
     if not by_layer:
         step.layer_reductions = None
     graph = tf.function(step).get_concrete_function(batch).graph
-    return kc.sharded_state(model.optimizer).layout, _operations(graph)
+    return sharded_state(model.optimizer).layout, _operations(graph)
 
 
 def _operations(graph) -> list:
@@ -917,11 +918,11 @@ def test_chunked_and_whole_slice_updates_agree(data10, monkeypatch):
     }
     for name, fn in optimizers.items():
         chunked = train(sharded(4, 2, bucket_bytes=1024), fn, x, y)
-        assert kc.sharded_state(chunked.optimizer)._slots_chunked, name
+        assert sharded_state(chunked.optimizer)._slots_chunked, name
         with monkeypatch.context() as m:
             m.setattr(ShardedState, "_updates_by_chunk", lambda self, g: False)
             whole = train(sharded(4, 2, bucket_bytes=1024), fn, x, y)
-        assert not kc.sharded_state(whole.optimizer)._slots_chunked, name
+        assert not sharded_state(whole.optimizer)._slots_chunked, name
         assert max_relative_difference(whole.get_weights(), chunked.get_weights()) < 1e-6, name
         assert max_relative_difference(canonical(whole), canonical(chunked)) < 1e-6, name
         if name == "schedule_free_adamw":
@@ -960,7 +961,7 @@ def test_the_layout_cuts_a_large_model_into_small_buckets():
                                      + [keras.layers.Dense(10)])
             model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
             model.optimizer.build(model.trainable_variables)
-        layouts.append(kc.sharded_state(model.optimizer).layout)
+        layouts.append(sharded_state(model.optimizer).layout)
     assert LAYOUT_BUCKET_BYTES == 2 * 2**20
     assert layouts[0].total == 2_176_010
     assert [layout.num_buckets for layout in layouts] == [5, 3, 1, 1]
@@ -1006,7 +1007,7 @@ def test_aligned_chunks_train_like_one_device(kind, chunk, digits):
     with sharded(2, 2, shard_bucket_bytes=40_000).scope():
         model = _aligned_chunk_model(kind)
     model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
-    layout = kc.sharded_state(model.optimizer).layout
+    layout = sharded_state(model.optimizer).layout
     assert (layout.num_buckets, layout.chunk_size) == (2, chunk)
     assert layout.chunk_size % 16 == 0
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
@@ -1207,7 +1208,7 @@ def test_custom_train_step_gets_the_sharded_update(stage, data10):
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
     assert max_relative_difference(canonical(reference), canonical(model)) < 1e-5
     # The optimizer holds slots for one flat slice per replica, not per model variable.
-    assert model.optimizer.variables[-1].shape == kc.sharded_state(model.optimizer).layout.slot_shape
+    assert model.optimizer.variables[-1].shape == sharded_state(model.optimizer).layout.slot_shape
 
 
 def test_custom_training_loop_over_a_compiled_model_is_sharded(data10):
@@ -1237,7 +1238,7 @@ def test_custom_training_loop_over_a_compiled_model_is_sharded(data10):
 
     reference = run(tf.distribute.get_strategy())
     model = run(sharded(2, stage=2))
-    assert kc.sharded_state(model.optimizer) is not None
+    assert sharded_state(model.optimizer) is not None
     assert max_relative_difference(reference.get_weights(), model.get_weights()) < 1e-5
     assert max_relative_difference(canonical(reference), canonical(model)) < 1e-5
 
@@ -1266,7 +1267,7 @@ def test_one_replica_has_nothing_to_shard_and_trains_as_mirrored(stage, digits):
         model.fit(x[:320], y[:320], batch_size=32, epochs=2, shuffle=False, verbose=0)
         models[name] = model
     sharded = models["sharded_optimizer"]
-    assert kc.sharded_state(sharded.optimizer) is None
+    assert sharded_state(sharded.optimizer) is None
     assert sharded.distribute_strategy.gradient_path.name == "all_reduce"
     assert [tuple(v.shape) for v in sharded.optimizer.variables] == [
         tuple(v.shape) for v in models["mirrored"].optimizer.variables
@@ -1276,7 +1277,7 @@ def test_one_replica_has_nothing_to_shard_and_trains_as_mirrored(stage, digits):
     # Two replicas still shard.
     with tfdist.get_strategy("sharded_optimizer", devices=DEVICES[2], stage=stage).scope():
         two = build_model(optimizer=keras.optimizers.Adam(0.01))
-    assert kc.sharded_state(two.optimizer) is not None
+    assert sharded_state(two.optimizer) is not None
 
 
 @pytest.mark.parametrize("shape", [(37,), (6, 7), (3, 4, 5), (1, 40)])

@@ -97,12 +97,13 @@ def clip_gradients(optimizer, grads: Sequence):
 
 
 def clips_like_keras(optimizer) -> bool:
-    """Whether `optimizer` clips with Keras's own `_clip_gradients` (not the sharded state's).
+    """Whether `optimizer` clips with Keras's own `_clip_gradients` on whole gradients.
 
-    The sharded optimizer (`make_sharded_optimizer`) clips slices, whose norms
-    it sums across replicas.
+    The sharded optimizer (`tfdist.strategies.sharded`) clips flat slices,
+    whose norms it sums across replicas; it says so on its state.
     """
-    return not isinstance(optimizer, _ShardedOptimizer)
+    state = vars(optimizer).get("_tfdist_sharded")
+    return state is None or not state.clips_slices
 
 
 def inner_optimizer(optimizer):
@@ -786,13 +787,9 @@ def output_losses_weighted(weight):
     return _thread_setting(state, "weight", weight)
 
 
-def build_optimizer(optimizer, variables: Sequence) -> None:
-    """Runs the user's optimizer class's own `build` (not the sharded one)."""
-    unsharded_class(optimizer).build(optimizer, list(variables))
-
-
-def class_trackable_children(optimizer, save_type, **kwargs) -> dict:
-    return unsharded_class(optimizer)._trackable_children(optimizer, save_type, **kwargs)
+def trackable_children(cls, obj, save_type, **kwargs) -> dict:
+    """`cls`'s own `_trackable_children` of `obj` (TensorFlow's checkpoint dependencies; verified on TF 2.16-2.21)."""
+    return cls._trackable_children(obj, save_type, **kwargs)
 
 
 def uses_weight_decay(optimizer, variable) -> bool:
@@ -800,145 +797,128 @@ def uses_weight_decay(optimizer, variable) -> bool:
 
 
 def slots_initialised_from_weights(optimizer) -> tuple[str, ...]:
-    """Slots an optimizer's `build` fills with a copy of the variable (not zeros)."""
-    if type(optimizer).__name__ == "ScheduleFreeAdamW":
+    """Slots an optimizer's `build` fills with a copy of the variable (not zeros).
+
+    Keras's ScheduleFreeAdamW starts its momentum at the weights (verified on
+    Keras 3.11 to 3.15).
+    """
+    schedule_free = getattr(keras.optimizers, "ScheduleFreeAdamW", None)
+    if schedule_free is not None and isinstance(optimizer, schedule_free):
         return ("momentum",)
     return ()
 
 
-def recording_copy(optimizer):
-    """An unbuilt optimizer of the user's class and `optimizer`'s config that records its slots."""
-    return _derived_class(unsharded_class(optimizer), _RecordsSlots).from_config(optimizer.get_config())
+def keras_update_is_elementwise(optimizer) -> bool:
+    """Whether `optimizer` updates with one of Keras's element-wise built-in updates, unchanged.
 
-
-def slot_records(optimizer) -> list:
-    """`(reference variable, slot name, slot)` for each slot a recording optimizer created, in order."""
-    return list(optimizer.__dict__.get("_tfdist_slots", []))
-
-
-def advance_iterations(optimizer) -> None:
-    optimizer._iterations.assign_add(1)
-
-
-def ema_average(optimizer):
-    """The EMA slot of a sharded optimizer (built on one flat variable)."""
-    return optimizer._model_variables_moving_average[0]
-
-
-class VariableStandIn:
-    """A tensor an optimizer's `update_step` updates as if it were `key`, a variable it was built on.
-
-    Keras (verified on 3.15, TensorFlow backend) finds a variable's slots by
-    `optimizer._var_key(variable)` (the tf.Variable's, or its distributed
-    container's, `_unique_id`) and writes it with `assign`, `assign_add`,
-    `assign_sub` and, for sparse gradients, `scatter_*`. This object answers
-    with `key`'s id and keeps each write as its new `value`, so the update of
-    a slice of weights needs no variable of its own (the sharded optimizer's
-    owned slice, read from the model's weights).
+    The built-ins whose `update_step` reads and writes each element of a
+    variable and of its slots alone (verified on Keras 3.5 to 3.15): SGD, Adam
+    (and AdamW, which keeps Adam's), Adamax, Adagrad, Adadelta, RMSprop,
+    Nadam, Lion, Ftrl, ScheduleFreeAdamW. Lamb (its trust ratio), Adafactor
+    (factored moments), Muon (orthogonalisation) and MultiOptimizer are not.
+    The class's `update_step` and `_backend_update_step` must be the
+    built-in's own: a subclass that changes either may do anything.
     """
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    def __init__(self, optimizer, key, value):
-        self._unique_id = optimizer._var_key(key)
-        self.value = value
-
-    @property
-    def dtype(self):
-        return self.value.dtype
-
-    @property
-    def shape(self):
-        return self.value.shape
-
-    def assign(self, value, read_value=False):
-        self.value = tf.convert_to_tensor(value, self.dtype)
-
-    def assign_add(self, value, read_value=False):
-        self.value = self.value + tf.convert_to_tensor(value, self.dtype)
-
-    def assign_sub(self, value, read_value=False):
-        self.value = self.value - tf.convert_to_tensor(value, self.dtype)
-
-    def scatter_update(self, update):
-        self.value = tf.tensor_scatter_nd_update(self.value, update.indices[:, None], update.values)
-
-    def scatter_add(self, update):
-        self.value = tf.tensor_scatter_nd_add(self.value, update.indices[:, None], update.values)
-
-    def scatter_sub(self, update):
-        self.value = tf.tensor_scatter_nd_sub(self.value, update.indices[:, None], update.values)
+    names = ("SGD", "Adam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Nadam", "Lion", "Ftrl", "ScheduleFreeAdamW")
+    classes = [getattr(keras.optimizers, name) for name in names if hasattr(keras.optimizers, name)]
+    cls = type(optimizer)
+    backends = {c._backend_update_step for c in classes} | {TFOptimizer._backend_update_step}
+    return cls.update_step in {c.update_step for c in classes} and cls._backend_update_step in backends
 
 
-tf.register_tensor_conversion_function(
-    VariableStandIn, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.value, dtype)
-)
+def clip_gradients_as(cls, optimizer, grads: Sequence) -> list:
+    """`cls`'s own `_clip_gradients` of `optimizer` (Keras's clipping, not a subclass's)."""
+    return cls._clip_gradients(optimizer, list(grads))
 
 
-class PartStandIn:
-    """Part `part` (a `tf.Variable`) of a Keras variable `key` held in parts, updated as if it were `key`.
+def variable_at_path(path: str, value, trainable: bool = False) -> keras.Variable:
+    """A Keras variable holding `value` whose `path` (and so `name`) is `path`, as another variable's.
 
-    Keras (verified on 3.15, TensorFlow backend) finds a variable's slots by
-    `optimizer._var_key(variable)` and writes it with `assign`, `assign_add`,
-    `assign_sub` and, for sparse gradients, `scatter_*`: this object answers
-    with `key`'s key and writes `part`. Used inside `slots_as_parts`, where
-    the slots read as their own part, so an element-wise update runs on one
-    part of the variable and of its state, on the part's device.
+    Keras derives a variable's path from its name-scope stack
+    (`keras.src.backend.common.name_scope`, `override_parent`; verified on
+    Keras 3.5 to 3.15); optimizers route and exclude variables by it
+    (MultiOptimizer's map, Muon's `exclude_layers`, `exclude_from_weight_decay`
+    names).
     """
+    from keras.src.backend.common.name_scope import name_scope
 
-    def __init__(self, key, part):
-        # What Keras's `TFOptimizer._var_key` returns for a variable holding a
-        # `ShardedVariable` (no distributed container): the sharded value's id.
-        self._unique_id = tf_variable(key)._unique_id
-        self.part = part
-
-    @property
-    def dtype(self):
-        return self.part.dtype
-
-    @property
-    def shape(self):
-        return self.part.shape
-
-    def assign(self, value, read_value=False):
-        return self.part.assign(value, read_value=False)
-
-    def assign_add(self, value, read_value=False):
-        return self.part.assign_add(value, read_value=False)
-
-    def assign_sub(self, value, read_value=False):
-        return self.part.assign_sub(value, read_value=False)
-
-    def scatter_update(self, update):
-        return self.part.scatter_update(update)
-
-    def scatter_add(self, update):
-        return self.part.scatter_add(update)
-
-    def scatter_sub(self, update):
-        return self.part.scatter_sub(update)
+    parent, _, name = path.rpartition("/")
+    if not parent:
+        return keras.Variable(value, trainable=trainable, name=name)
+    above, _, last = parent.rpartition("/")
+    with name_scope(last, override_parent=above, deduplicate=False):
+        return keras.Variable(value, trainable=trainable, name=name)
 
 
-tf.register_tensor_conversion_function(
-    PartStandIn, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.part, dtype)
-)
+def state_by_variable(optimizer) -> dict:
+    """`{id(TensorFlow variable it trains): [(list attribute, state variable), ...]}` of `optimizer`'s per-variable state.
+
+    Keras optimizers keep per-variable state in list attributes indexed by
+    the variable's position among the variables they were built on
+    (`self._momentums[self._get_variable_index(v)]`: slots, Adafactor's
+    factored moments, EMA's `_model_variables_moving_average`; verified on
+    Keras 3.5 to 3.15). A MultiOptimizer's sub-optimizers keep theirs.
+    """
+    optimizers = [optimizer] + (list(optimizer._inner_optimizers) if is_multi_optimizer(optimizer) else [])
+    out: dict = {}
+    for opt in optimizers:
+        trained = list(getattr(opt, "_trainable_variables", []))
+        for attribute, value in vars(opt).items():
+            if attribute in ("_variables", "_trainable_variables") or not isinstance(value, list):
+                continue
+            if len(value) != len(trained):
+                continue
+            for variable, entry in zip(trained, value):
+                if isinstance(entry, keras.Variable) and entry is not variable:
+                    out.setdefault(id(tf_variable(variable)), []).append((attribute, entry))
+    return out
+
+
+@contextlib.contextmanager
+def updates_as(optimizer, variable, stand_in):
+    """Inside: `optimizer` finds `variable`'s state for `stand_in`, a real `tf.Variable` it updates in its place.
+
+    Keras (verified on 3.5 to 3.15, TensorFlow backend) finds a variable's
+    slots by its position, `_trainable_variables_indices[_var_key(v)]`
+    (`_get_variable_index`); `stand_in` gets `variable`'s position for the
+    duration, so `update_step(gradient, stand_in, lr)` reads and writes a
+    variable with every behaviour of one (reads where they are used, writes
+    in program order, `tf.cond`, `scatter_*`) and the slots of `variable`.
+    """
+    indices = optimizer._trainable_variables_indices
+    key = optimizer._var_key(stand_in)
+    position = indices.get(optimizer._var_key(variable))
+    added = position is not None and key not in indices
+    if added:
+        indices[key] = position
+    try:
+        yield stand_in
+    finally:
+        if added:
+            del indices[key]
 
 
 @contextlib.contextmanager
 def slots_as_parts(optimizer, variable, index: int):
-    """Inside: `variable`'s optimizer slots held in parts read as their part `index` (a `tf.Variable`).
+    """Inside: part `index` of `variable` (held in parts) is updated as `variable`, its slots reading as their part.
 
-    Keras optimizers keep per-variable state in list attributes indexed by
-    the variable's position (`self._momentums[self._get_variable_index(v)]`,
-    the index from the private `_trainable_variables_indices`; verified on
-    Keras 3.15: Adam, AdamW, SGD, RMSprop, Adagrad, Adadelta, Adamax, Nadam,
-    Lion, Ftrl, and EMA's `_model_variables_moving_average`). The entry at
-    `variable`'s position of every such list, when it is a Keras variable
-    whose value is a `ShardedVariable`, is replaced by that value's part
-    `index` for the duration, then restored: only entries split exactly as
-    `variable` is (a slot, part beside part), never `variable` itself. A
-    variable the optimizer does not train (an EMA average) has no slots:
-    nothing is replaced.
+    Yields the part, a `tf.Variable` (`updates_as`). Keras optimizers keep
+    per-variable state in list attributes indexed by the variable's position
+    (`self._momentums[self._get_variable_index(v)]`, the index from the
+    private `_trainable_variables_indices`; verified on Keras 3.15: Adam,
+    AdamW, SGD, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion, Ftrl, and
+    EMA's `_model_variables_moving_average`). The entry at `variable`'s
+    position of every such list, when it is a Keras variable whose value is a
+    `ShardedVariable`, is replaced by that value's part `index` for the
+    duration, then restored: only entries split exactly as `variable` is (a
+    slot, part beside part), never `variable` itself. A variable the
+    optimizer does not train (an EMA average) has no slots: nothing is
+    replaced.
     """
-    layout = [(p.shape, p.device) for p in variable_parts(variable)]
+    parts = variable_parts(variable)
+    layout = [(p.shape, p.device) for p in parts]
 
     def part(entry):
         if not (isinstance(entry, keras.Variable) and is_sharded(entry)):
@@ -949,8 +929,8 @@ def slots_as_parts(optimizer, variable, index: int):
             return None
         return tf_variable(entry).variables[index]
 
-    with _slot_entries_replaced(optimizer, variable, part):
-        yield
+    with _slot_entries_replaced(optimizer, variable, part), updates_as(optimizer, variable, parts[index]) as own:
+        yield own
 
 
 @contextlib.contextmanager
@@ -983,212 +963,6 @@ def _slot_entries_replaced(optimizer, variable, replace):
     finally:
         for values, i, entry in swapped:
             values[i] = entry
-
-
-class _ReadsAsTensor:
-    """Arithmetic on a slot view reads it as a tensor (`self.read()`), as on a Keras variable.
-
-    Some Keras optimizers apply Python operators to their slots (Adadelta's
-    `rho * accumulated_grad`, verified on 3.15).
-    """
-
-    def __neg__(self):
-        return -self.read()
-
-    def __pow__(self, other):
-        return self.read() ** other
-
-
-for _name in ("add", "sub", "mul", "truediv"):
-    def _op(self, other, _name=_name):
-        return getattr(self.read(), f"__{_name}__")(other)
-
-    def _rop(self, other, _name=_name):
-        return getattr(self.read(), f"__r{_name}__")(other)
-
-    setattr(_ReadsAsTensor, f"__{_name}__", _op)
-    setattr(_ReadsAsTensor, f"__r{_name}__", _rop)
-
-
-class SlotChunk(_ReadsAsTensor):
-    """Row `row` of a 2-D optimizer slot (a `tf.Variable` of `[chunks, C]`), read and written in place.
-
-    The sharded optimizer holds each replica's slice of a slot as one row per
-    chunk (`FlatLayout.slot_shape`) and updates it chunk by chunk
-    (`slots_as_chunks`), so that the update's temporaries are one chunk's
-    size. The row is read with `ResourceGather` and written back with
-    `ResourceScatterUpdate` into the slot's own buffer: each copies the row as
-    one block (a chunk of a 1-D slot is gathered element by element and
-    written through a strided slice: measured 7x and 5x slower), and no
-    slot-sized buffer is created. Both put the slot variable in TensorFlow's
-    copy-on-read mode (a plain read then copies it), which costs nothing
-    here: only these chunked updates read the slots during training. Keras
-    (verified on 3.15, TensorFlow backend) writes a slot through
-    `optimizer.assign*`, which calls `assign`, `assign_add` or `assign_sub`
-    on it, and reads it as a tensor.
-    """
-
-    def __init__(self, variable, row: int):
-        self.variable = variable
-        self.row = row
-        self._value = None
-        # The in-place writes, for the next chunk to wait on.
-        self.writes: list = []
-
-    @property
-    def dtype(self):
-        return self.variable.dtype
-
-    @property
-    def shape(self):
-        return tf.TensorShape(self.variable.shape[1:])
-
-    @property
-    def value(self):
-        # Read where it is used, as a Keras variable's `value` (see `SlotRows.value`).
-        return self
-
-    def read(self):
-        """The row's current value: as last written here, else gathered once."""
-        if self._value is None:
-            self._value = tf.raw_ops.ResourceGather(
-                resource=self.variable.handle, indices=tf.constant(self.row, tf.int32), dtype=self.variable.dtype
-            )
-        return self._value
-
-    @staticmethod
-    def prepare(variable) -> None:
-        """Eagerly: puts `variable` in copy-on-read mode now, outside any step.
-
-        The first in-place write does it otherwise, and copies the slot then
-        if anything still shares its buffer (its initial value), inside the
-        step, at its peak.
-        """
-        tf.raw_ops.ResourceScatterUpdate(
-            resource=variable.handle, indices=tf.zeros([0], tf.int32),
-            updates=tf.zeros([0] + variable.shape.as_list()[1:], variable.dtype),
-        )
-
-    def _write(self, value):
-        self._value = tf.convert_to_tensor(value, self.dtype)
-        op = tf.raw_ops.ResourceScatterUpdate(
-            resource=self.variable.handle, indices=tf.constant(self.row, tf.int32), updates=self._value
-        )
-        self.writes.append(op)
-        return op
-
-    def assign(self, value, read_value=False):
-        return self._write(value)
-
-    def assign_add(self, value, read_value=False):
-        return self._write(self.read() + tf.convert_to_tensor(value, self.dtype))
-
-    def assign_sub(self, value, read_value=False):
-        return self._write(self.read() - tf.convert_to_tensor(value, self.dtype))
-
-
-tf.register_tensor_conversion_function(
-    SlotChunk, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.read(), dtype)
-)
-
-
-class SlotRows(_ReadsAsTensor):
-    """A 2-D optimizer slot (a `tf.Variable` of `[chunks, C]`) read and written as its flat `[chunks * C]` elements.
-
-    The sharded optimizer's update of a whole slice (sparse gradients, EMA,
-    one bucket, `shard_bucket_bytes=0`) sees each slot this way
-    (`slots_as_flat`). Reads and dense writes reshape, which copies nothing;
-    sparse writes (`scatter_*` with `tf.IndexedSlices` over the flat
-    elements, as Keras's TensorFlow optimizer issues them, verified on 3.15)
-    address element `i` as `[i // C, i % C]`, in place.
-    """
-
-    def __init__(self, variable):
-        self.variable = variable
-        self._rows = variable.shape.as_list()
-
-    @property
-    def dtype(self):
-        return self.variable.dtype
-
-    @property
-    def shape(self):
-        return tf.TensorShape([self._rows[0] * self._rows[1]])
-
-    @property
-    def value(self):
-        # As a Keras variable's `value` on the TensorFlow backend (the
-        # tf.Variable itself): read where it is used, not here (Keras's
-        # ScheduleFreeAdamW takes `momentum.value` before updating the
-        # momentum and uses it after; one device then reads the new value).
-        return self
-
-    def read(self):
-        return tf.reshape(tf.convert_to_tensor(self.variable), [-1])
-
-    def _rows_of(self, value):
-        return tf.reshape(tf.convert_to_tensor(value, self.dtype), self._rows)
-
-    def assign(self, value, read_value=False):
-        return self.variable.assign(self._rows_of(value), read_value=False)
-
-    def assign_add(self, value, read_value=False):
-        return self.variable.assign_add(self._rows_of(value), read_value=False)
-
-    def assign_sub(self, value, read_value=False):
-        return self.variable.assign_sub(self._rows_of(value), read_value=False)
-
-    def _at(self, update: tf.IndexedSlices):
-        c = tf.cast(self._rows[1], update.indices.dtype)
-        return tf.stack([update.indices // c, update.indices % c], axis=1), tf.cast(update.values, self.dtype)
-
-    def scatter_update(self, update):
-        indices, values = self._at(update)
-        return tf.raw_ops.ResourceScatterNdUpdate(ref=self.variable.handle, indices=indices, updates=values)
-
-    def scatter_add(self, update):
-        indices, values = self._at(update)
-        return tf.raw_ops.ResourceScatterNdAdd(ref=self.variable.handle, indices=indices, updates=values)
-
-    def scatter_sub(self, update):
-        indices, values = self._at(update)
-        return tf.raw_ops.ResourceScatterNdSub(ref=self.variable.handle, indices=indices, updates=values)
-
-
-tf.register_tensor_conversion_function(
-    SlotRows, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.read(), dtype)
-)
-
-
-def _slot_of(variable, local, make):
-    def replace(entry):
-        if not isinstance(entry, keras.Variable) or tuple(entry.shape) != tuple(variable.shape):
-            return None
-        return make(local(entry))
-
-    return replace
-
-
-@contextlib.contextmanager
-def slots_as_chunks(optimizer, variable, row: int, local):
-    """Inside: the 2-D slots of `variable` read and written as their row `row` (`SlotChunk`).
-
-    As `slots_as_parts`: every list attribute of the optimizer indexed by
-    variable position (Keras's private `_trainable_variables_indices`;
-    verified on Keras 3.15 for the optimizers `slots_as_parts` names) has its
-    entry for `variable`, when it is a Keras variable of `variable`'s shape
-    other than `variable`, replaced by a `SlotChunk` of `local(entry)` (the
-    slot's copy where the update runs), then restored. Yields the `SlotChunk`s.
-    """
-    with _slot_entries_replaced(optimizer, variable, _slot_of(variable, local, lambda v: SlotChunk(v, row))) as chunks:
-        yield chunks
-
-
-@contextlib.contextmanager
-def slots_as_flat(optimizer, variable, local):
-    """Inside: the 2-D slots of `variable` read and written as flat vectors (`SlotRows`), as `slots_as_chunks`."""
-    with _slot_entries_replaced(optimizer, variable, _slot_of(variable, local, SlotRows)) as views:
-        yield views
 
 
 def all_layers(model) -> list:
@@ -1531,149 +1305,32 @@ def ask_to_proceed_with_overwrite(path: str) -> bool:
     return bool(io_utils.ask_to_proceed_with_overwrite(path))
 
 
-# ---------------------------------------------------------------------------
-# Sharded optimizer (ZeRO stages 1 and 2): the user's optimizer, built on one
-# flat slice per replica, reading and writing a canonical unsharded state.
-# Verified on Keras 3.15 / TensorFlow 2.21.
-# ---------------------------------------------------------------------------
-
-class _RecordsSlots:
-    """Records each slot the optimizer creates: (reference variable, slot name) → slot.
-
-    Keras's `add_variable_from_reference` is where every per-variable slot is
-    made (Adam's momentum and velocity, EMA, ...); recording it here maps
-    slots to variables without parsing variable names.
-    """
-
-    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
-        variable = super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
-        self.__dict__.setdefault("_tfdist_slots", []).append((reference_variable, name, variable))
-        return variable
-
-
-class _ShardedOptimizer(_RecordsSlots):
-    """The sharded optimizer: the user's optimizer class with its state in flat slices.
-
-    Put before the user's class in a same-named subclass (`make_sharded_optimizer`),
-    as Horovod's `DistributedOptimizer` derives from the optimizer it wraps:
-    the build, update, clipping, EMA finalisation and checkpointing go to the
-    instance's `ShardedState` (`tfdist.strategies.sharded_optimizer`); the
-    config, the update rule and the class name (in `.keras` files too) stay
-    the user's.
-    """
-
-    def build(self, variables):
-        return self.__dict__["_tfdist_sharded"].build(variables)
-
-    def apply(self, grads, trainable_variables=None):
-        return self.__dict__["_tfdist_sharded"].apply(grads, trainable_variables)
-
-    def _clip_gradients(self, grads):
-        return self.__dict__["_tfdist_sharded"].clip_slices(grads)
-
-    def finalize_variable_values(self, var_list):
-        return self.__dict__["_tfdist_sharded"].finalize_variable_values(var_list)
-
-    def save_own_variables(self, store):
-        return self.__dict__["_tfdist_sharded"].save_own_variables(store)
-
-    def load_own_variables(self, store):
-        return self.__dict__["_tfdist_sharded"].load_own_variables(store)
-
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
-        return self.__dict__["_tfdist_sharded"].trackable_children(save_type, **kwargs)
-
-
-class _ShardedLossScale:
-    """A `LossScaleOptimizer` whose inner optimizer is sharded: saves as a single-device one does.
-
-    Keras's `save_own_variables` writes `variables` (its own, then the inner
-    optimizer's, which here are flat slices); this writes its own, then the
-    inner optimizer's canonical single-device state, so `.keras` and
-    `.weights.h5` files load on any strategy and replica count.
-    """
-
-    def save_own_variables(self, store):
-        inner = self.inner_optimizer.__dict__["_tfdist_sharded"]
-        values = [v.numpy() for v in self._variables] + list(inner.canonical_values())
-        for i, value in enumerate(values):
-            store[str(i)] = value
-
-    def load_own_variables(self, store):
-        inner = self.inner_optimizer.__dict__["_tfdist_sharded"]
-        own = len(self._variables)
-        if inner.loads_as_unbuilt(store, self.name) or inner.skips_other_state(len(store.keys()), own):
-            return
-        values = [store[str(i)] for i in range(len(store.keys()))]
-        inner.load_canonical_values(values[own:])  # validates before anything is written
-        for variable, value in zip(self._variables, values[:own]):
-            variable.assign(value)
-
-
 _derived: dict = {}
 
 
-def _derived_class(cls, mixin):
-    """`cls` with `mixin` in front, same name and module; cached; known to Keras's serialization."""
+def same_named_subclass(cls, mixin):
+    """`cls` with `mixin` in front, same name and module; cached; known to Keras's serialization.
+
+    Keras writes the subclass under `cls`'s public or registered name
+    (`keras.optimizers.Adam`): its `serialize_keras_object` names a class by
+    its exact entry in `api_export.REGISTERED_OBJS_TO_NAMES` (built-in
+    classes) or `object_registration.GLOBAL_CUSTOM_NAMES`
+    (`register_keras_serializable`), else by its module
+    (`keras.src.optimizers.adam`), which a loader without tfdist must not be
+    asked to import. Verified on Keras 3.5 to 3.15.
+    """
     key = (cls, mixin)
     if key not in _derived:
+        from keras.src.api_export import REGISTERED_OBJS_TO_NAMES
+        from keras.src.saving import object_registration
+
         derived = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        _serialize_as(derived, cls)
+        if cls in REGISTERED_OBJS_TO_NAMES:
+            REGISTERED_OBJS_TO_NAMES[derived] = REGISTERED_OBJS_TO_NAMES[cls]
+        if cls in object_registration.GLOBAL_CUSTOM_NAMES:
+            object_registration.GLOBAL_CUSTOM_NAMES[derived] = object_registration.GLOBAL_CUSTOM_NAMES[cls]
         _derived[key] = derived
     return _derived[key]
-
-
-def _serialize_as(derived, cls) -> None:
-    """Keras writes `derived` under `cls`'s public or registered name (`keras.optimizers.Adam`).
-
-    Keras's `serialize_keras_object` names a class by its exact entry in
-    `api_export.REGISTERED_OBJS_TO_NAMES` (built-in classes) or
-    `object_registration.GLOBAL_CUSTOM_NAMES` (`register_keras_serializable`),
-    else by its module (`keras.src.optimizers.adam`), which a loader without
-    tfdist must not be asked to import. Verified on Keras 3.5 to 3.15.
-    """
-    from keras.src.api_export import REGISTERED_OBJS_TO_NAMES
-    from keras.src.saving import object_registration
-
-    if cls in REGISTERED_OBJS_TO_NAMES:
-        REGISTERED_OBJS_TO_NAMES[derived] = REGISTERED_OBJS_TO_NAMES[cls]
-    if cls in object_registration.GLOBAL_CUSTOM_NAMES:
-        object_registration.GLOBAL_CUSTOM_NAMES[derived] = object_registration.GLOBAL_CUSTOM_NAMES[cls]
-
-
-def unsharded_class(optimizer):
-    """The user's optimizer class under tfdist's derived one (itself if not derived)."""
-    cls = type(optimizer)
-    while cls.__bases__ and cls.__bases__[0] in (_ShardedOptimizer, _RecordsSlots, _ShardedLossScale):
-        cls = cls.__bases__[1]
-    return cls
-
-
-def make_sharded_optimizer(optimizer, sharded, loss_scale_optimizer=None) -> None:
-    """Makes `optimizer` (unbuilt) the sharded optimizer whose state `sharded` holds.
-
-    The instance changes class to a same-named subclass of its own class with
-    `_ShardedOptimizer` in front, so the user's reference is the compiled
-    optimizer, and optimizers outside the sharded strategy are untouched.
-    Keras calls `optimizer.build(model.trainable_variables)` from `fit`,
-    `compile_from_config` and `apply`; every such call now builds the slices.
-    `apply` (and `apply_gradients`, which calls it) from a custom `train_step`
-    or training loop runs the sharded update. `loss_scale_optimizer`, the
-    `LossScaleOptimizer` whose inner optimizer `optimizer` is (mixed_float16),
-    saves its inner state in the single-device layout (`_ShardedLossScale`).
-    """
-    object.__setattr__(optimizer, "_tfdist_sharded", sharded)
-    optimizer.__class__ = _derived_class(type(optimizer), _ShardedOptimizer)
-    if loss_scale_optimizer is not None:
-        loss_scale_optimizer.__class__ = _derived_class(type(loss_scale_optimizer), _ShardedLossScale)
-
-
-def sharded_state(optimizer):
-    """The `ShardedState` of a sharded optimizer (or of a LossScaleOptimizer's sharded inner one), or `None`."""
-    optimizer = inner_optimizer(optimizer)
-    if isinstance(optimizer, _ShardedOptimizer):
-        return optimizer.__dict__["_tfdist_sharded"]
-    return None
 
 
 def guard_load_weights(model, snapshot_fn, restore_fn) -> None:

@@ -948,11 +948,13 @@ class GradientPath:
         return self.run(step, data)
 
 
-def all_reduce(step, data):
+def all_reduce(step, data, update_fn: Callable[[list], None] | None = None):
     """Every replica sums all replicas' gradients, then every copy is updated alike.
 
     Returns the replicas' summed metric state where it rode in the same
-    all-reduce (`TrainStep.metric_riders`), else None.
+    all-reduce (`TrainStep.metric_riders`), else None. `update_fn` (default:
+    the step's update of every copy) is `TrainStep.apply`'s: the sharded
+    optimizer's whole variables pass their owners' update.
     """
 
     def replica_fn(batch):
@@ -964,7 +966,7 @@ def all_reduce(step, data):
         return step.finish(summed[: len(values)]), summed[len(values):]
 
     grads, riders = step.strategy.run(replica_fn, args=(data,))
-    step.apply(grads)
+    step.apply(grads, update_fn=update_fn)
     return summed_riders(step.strategy, riders)
 
 

@@ -255,8 +255,19 @@ class ClipByOptimizer(GradientTransformation):
         norm = tf.cast(norm, tf.float32)
         if pending is not None:
             norm = norm * tf.abs(pending)
-        factor = clip * tf.minimum(1.0 / norm, 1.0 / clip)
-        return values, factor + (norm - norm)
+        return values, global_norm_factor(norm, clip)
+
+
+def global_norm_factor(norm, clipnorm):
+    """The factor Keras's `clip_by_global_norm` multiplies every gradient by, for the gradients' global `norm`.
+
+    `min(1, clipnorm / norm)`, written as Keras writes it, and NaN when the
+    norm is not finite (Keras's own propagates it). The engine's chain and
+    the sharded optimizer's slices (whose squared norms are summed across
+    replicas first) both use it.
+    """
+    clip = float(clipnorm)
+    return clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
 
 
 def clip_by_optimizer(optimizer) -> ClipByOptimizer | None:

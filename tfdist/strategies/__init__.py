@@ -5,7 +5,7 @@ from tfdist.strategies.central_storage import CentralStorageStrategy
 from tfdist.strategies.mirrored import MirroredStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.parameter_server import ParameterServerStrategy
-from tfdist.strategies.sharded_optimizer import ShardedOptimizerStrategy
+from tfdist.strategies.sharded import ShardedOptimizerStrategy
 
 __all__ = [
     "CentralStorageStrategy",
