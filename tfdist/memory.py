@@ -131,7 +131,7 @@ def _gradient_buffers(model, sharded) -> dict[str, int]:
     strategy = kc.model_strategy(model)
     trainable = model.trainable_variables
     if sharded is not None and sharded.built:
-        devices = [_device(p) for p in sharded.replica_devices()]
+        devices = [_device(p) for p in sharded.replica_copies()]
         return {d: sharded.gradient_buffer_estimate() for d in devices}
     parameter_device = getattr(strategy, "parameter_device", None)
     out: dict[str, int] = {}
