@@ -63,8 +63,8 @@ def main() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
     import tfdist
-    from tfdist.strategies.sharded import sharded_state
     from tfdist.collectives import collective_ops_in
+    from tfdist.strategies.sharded import sharded_state
 
     x, y = data()
     result = {}

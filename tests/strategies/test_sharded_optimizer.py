@@ -18,7 +18,6 @@ import tfdist
 from tests.child_processes import no_leftover_processes  # noqa: F401 (fixture)
 from tests.conftest import DEVICES, build_model, max_relative_difference
 from tests.strategies.parity import StopAfterFirstEpoch, own_step_model
-from tfdist._compat import keras as kc
 from tfdist.sharding import FlatLayout, gather_shard
 from tfdist.strategies.sharded import sharded_state
 from tfdist.strategies.sharded.optimizer import unsharded_class
