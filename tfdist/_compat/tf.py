@@ -16,7 +16,7 @@ import tensorflow as tf
 def configure_variable_creation(strategy, on_read_devices=None) -> None:
     """Adjusts how `strategy` creates variables for Keras 3 layers and metrics.
 
-    Three upstream gaps, all fixed at variable creation so no step code changes:
+    Four upstream gaps, all fixed at variable creation so no step code changes:
 
     1. Layer state is not kept in sync (no upstream fix as of Keras 3.15): Keras
        3 creates non-trainable layer state such as BatchNormalization's moving
@@ -56,7 +56,21 @@ def configure_variable_creation(strategy, on_read_devices=None) -> None:
        as a MirroredStrategy checkpoint does). MirroredStrategy keeps NONE:
        its copies already advance together without a cross-device write.
 
-    Verified on TensorFlow 2.16 to 2.21 with Keras 3.5 to 3.15 (item 3 on
+    4. A variable first created while a `tf.function` traces (Keras builds a
+       model's and an optimizer's variables at their first use, and
+       TensorFlow's `distribute/custom_training` tutorial first calls them
+       inside `strategy.run` in a traced step) is "lifted" by TensorFlow:
+       created outside the function and initialised by the function's first
+       call under a `cond`, whose branch fails under MirroredStrategy ("You
+       must feed a value for placeholder tensor 'cond/else/_1/cond/
+       Placeholder_1'"; stock `tf.distribute.MirroredStrategy` alike; no
+       upstream fix as of TensorFlow 2.21). A variable whose initial value is
+       a callable (Keras's initializers) is created and initialised at
+       once, outside the function (`tf.init_scope`), as building first would;
+       one whose initial value reads the traced function's tensors is left to
+       TensorFlow.
+
+    Verified on TensorFlow 2.16 to 2.21 with Keras 3.5 to 3.15 (items 3 and 4 on
     TensorFlow 2.21 with Keras 3.15).
     """
     from tensorflow.python.distribute import distribute_utils
@@ -65,6 +79,17 @@ def configure_variable_creation(strategy, on_read_devices=None) -> None:
     original = extended._create_variable
 
     def create_variable(next_creator, **kwargs):
+        if tf.inside_function() and callable(kwargs.get("initial_value")):
+            # (4) A variable first created while a function traces is created
+            # and initialised now, outside it.
+            try:
+                with tf.init_scope():
+                    return create(next_creator, **kwargs)
+            except (TypeError, ValueError, tf.errors.InvalidArgumentError):
+                pass  # an initial value that reads the traced function's tensors: TensorFlow's own way
+        return create(next_creator, **kwargs)
+
+    def create(next_creator, **kwargs):
         synchronization = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
         if on_read_devices and synchronization == tf.VariableSynchronization.ON_READ:
             return _create_per_device(strategy, on_read_devices, next_creator, distribute_utils, **kwargs)
