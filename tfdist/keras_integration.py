@@ -580,18 +580,18 @@ def _patched_tape_gradient(original):
 # optimizer.apply in a custom training loop
 # ---------------------------------------------------------------------------
 
-# The strategies whose custom loops sum the replicas' gradients before the
-# update (`_apply_summed`; the sharded optimizer's own optimizer class applies
-# through its sharded state instead); elsewhere Keras's own `apply` runs.
-_SUMMING_STRATEGIES = ("mirrored", "central_storage", "sharded_optimizer", "multi_worker")
-
-
 def _summing_replica_context():
-    """The replica context of a custom loop under a strategy of `_SUMMING_STRATEGIES`, else None."""
+    """The replica context of a custom loop under a synchronous tfdist strategy, else None.
+
+    A synchronous strategy (its declaration: not `asynchronous`) has a global
+    batch: its custom loops sum the replicas' gradients before the update
+    (`_apply_summed`). Elsewhere (no strategy, another strategy, the
+    parameter server's workers) Keras's own `apply` runs.
+    """
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return None
     strategy = tf.distribute.get_strategy()
-    if not is_tfdist_strategy(strategy) or getattr(strategy, "name", None) not in _SUMMING_STRATEGIES:
+    if not is_tfdist_strategy(strategy) or strategy.asynchronous:
         return None
     return tf.distribute.get_replica_context()
 
@@ -635,6 +635,7 @@ def _apply_in_custom_loop(optimizer, grads, variables, original) -> bool:
     concatenated.
     """
     from tfdist import collectives
+    from tfdist.strategies.sharded import sharded_state
 
     ctx = _summing_replica_context()
     if (
@@ -642,7 +643,7 @@ def _apply_in_custom_loop(optimizer, grads, variables, original) -> bool:
         or variables is None
         or not grads
         or kc.keras_accumulation_steps(optimizer) is not None
-        or not kc.clips_like_keras(kc.inner_optimizer(optimizer))  # a sharded optimizer's own path
+        or sharded_state(optimizer) is not None  # a sharded optimizer applies through its own state
     ):
         return False
     _build_outside_the_trace(optimizer, variables)
@@ -680,7 +681,12 @@ def _sum_over_replicas(strategy, sent: list, rows, shared: tuple) -> list:
 
 
 def _apply_summed(strategy, optimizer, sent: list, variables: list, rows, *, original, shared) -> None:
-    """Cross-replica context: Keras's `apply` (or `LossScaleOptimizer.apply`) on the replicas' sum, once."""
+    """Cross-replica context: Keras's `apply` (or `LossScaleOptimizer.apply`) on the replicas' sum, once.
+
+    The engine's one update (`tfdist.engine.update.apply_gradients`): unscale,
+    clip, and behind the loss-scale gate the optimizer's own update, where
+    the strategy places it.
+    """
     from tfdist.engine import update
 
     if isinstance(optimizer, tf.distribute.DistributedValues):
@@ -692,23 +698,9 @@ def _apply_summed(strategy, optimizer, sent: list, variables: list, rows, *, ori
         strategy.extended.call_for_each_replica(keras_apply, args=(optimizer, sent, variables, rows))
         return
     inner = kc.inner_optimizer(optimizer)
-    loss_scale = update.dynamic_loss_scale(optimizer)
-
-    def apply(grads: list) -> None:
-        if loss_scale is not None:
-            grads = loss_scale.update(grads)
-        scale = getattr(inner, "loss_scale_factor", None)
-        if scale is not None:
-            grads = [g if g is None else g / scale for g in grads]
-        update.apply_update(
-            inner, kc.clip_gradients(inner, grads), variables, strategy.gradient_path.placement(strategy)
-        )
-
+    placement = strategy.gradient_path.placement(strategy)
     summed = _sum_over_replicas(strategy, sent, rows, shared)
-    if loss_scale is None:
-        apply(summed)
-    else:
-        loss_scale.gate(summed, apply)
+    update.apply_gradients(optimizer, summed, lambda grads: update.apply_update(inner, grads, variables, placement))
 
 
 def _patched_optimizer_apply(original):
@@ -792,12 +784,9 @@ def _apply_to_shards(optimizer, grads: list, trainable_variables) -> None:
         )
     with kc.optimizer_name_scope(optimizer):
         grads, trainable_variables = kc.filter_empty_gradients(optimizer, grads, trainable_variables)
-    grads = list(grads)
-    scale = getattr(optimizer, "loss_scale_factor", None)
-    if scale is not None:
-        grads = [g if g is None else g / scale for g in grads]
-    update.apply_update(
-        optimizer, kc.clip_gradients(optimizer, grads), list(trainable_variables), update.LockedInPlace()
+    variables = list(trainable_variables)
+    update.apply_gradients(
+        optimizer, list(grads), lambda g: update.apply_update(optimizer, g, variables, update.LockedInPlace())
     )
 
 

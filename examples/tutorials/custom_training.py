@@ -231,8 +231,7 @@ checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir))
 for images, labels in test_dataset:
     eval_step(images, labels)
 
-print("Accuracy after restoring the saved model without strategy: {}".format(
-    eval_accuracy.result() * 100))
+print(f"Accuracy after restoring the saved model without strategy: {eval_accuracy.result() * 100}")
 
 # Alternate ways of iterating over a dataset: using iterators.
 for _ in range(EPOCHS):

@@ -328,13 +328,10 @@ class TrainStep:
         self.jit_compile = bool(jit_compile)
         # The optimizer whose update rule runs: a LossScaleOptimizer's inner one.
         self.update_optimizer = kc.inner_optimizer(self.optimizer)
-        self.loss_scale = update.dynamic_loss_scale(self.optimizer)
-        self.reduced = update.compose(
-            update.normalize_by_weight(),
-            update.unscale_static(self.update_optimizer),
-            self.loss_scale,
-            update.clip_by_optimizer(self.update_optimizer),
-        )
+        # Keras's `apply` steps after the reduction (unscale, clip), after normalising by the global batch.
+        transforms = update.optimizer_transforms(self.optimizer)
+        self.loss_scale = transforms[1]
+        self.reduced = update.compose(update.normalize_by_weight(), *transforms)
         # The variables differentiated: each Keras variable's TensorFlow
         # variables — the shards of a partitioned one (parameter server), whose
         # whole `ShardedVariable` Keras's tape rejects — regrouped after.
@@ -871,10 +868,7 @@ class TrainStep:
                     self.strategy.gradient_path.placement(self.strategy),
                 )
 
-        if self.loss_scale is None:
-            update_fn(grads)
-        else:
-            self.loss_scale.gate(grads, update_fn)
+        update.gated(self.loss_scale, grads, update_fn)
 
     # The whole step --------------------------------------------------------
     def _replica_whole_step(self, data) -> None:

@@ -641,6 +641,59 @@ class AccumulationState(kc.saved_beside_optimizer_class()):
 
 
 # ---------------------------------------------------------------------------
+# Keras's `apply`, once: summed gradients -> unscale -> clip -> gated update.
+# ---------------------------------------------------------------------------
+def optimizer_transforms(optimizer) -> list:
+    """Keras's `Optimizer.apply` steps between the summed gradients and the update, in Keras's order.
+
+    The optimizer's static `loss_scale_factor` undone, a `LossScaleOptimizer`'s
+    dynamic scale undone, then the optimizer's clipping; `None` where the
+    optimizer has no such step. The engine's step chains them after
+    normalising by the global batch (`TrainStep`); a custom loop's summed
+    gradients go through them alone (`apply_gradients`).
+
+    Args:
+        optimizer: the model's optimizer (a `LossScaleOptimizer` or not).
+    """
+    inner = kc.inner_optimizer(optimizer)
+    return [unscale_static(inner), dynamic_loss_scale(optimizer), clip_by_optimizer(inner)]
+
+
+def gated(loss_scale, grads: list, update_fn: Callable[[list], None]) -> None:
+    """Cross-replica context: `update_fn(grads)`, skipped on inf/nan where a dynamic `loss_scale` gates it."""
+    if loss_scale is None:
+        update_fn(grads)
+    else:
+        loss_scale.gate(grads, update_fn)
+
+
+def apply_gradients(optimizer, grads: Sequence, update_fn: Callable[[list], None]) -> None:
+    """Keras's `Optimizer.apply` on gradients already summed over the replicas: unscale, clip, then the update.
+
+    The one order every path follows: `optimizer_transforms` (static and
+    dynamic loss scale undone, clipping), then `update_fn` — behind the
+    loss-scale gate, in cross-replica context; or, where `update_fn` reaches
+    cross-replica context itself (a `merge_call` from a replica), directly.
+
+    Args:
+        optimizer: the model's optimizer.
+        grads: the summed gradients (or a sharded optimizer's summed slice).
+        update_fn: callable `(finished grads) -> None`, usually a placement's
+            `apply_update`.
+
+    Example:
+
+    ```python
+    update.apply_gradients(optimizer, summed, lambda g: update.apply_update(
+        kc.inner_optimizer(optimizer), g, variables, update.EveryCopy(strategy)))
+    ```
+    """
+    transforms = optimizer_transforms(optimizer)
+    finished = compose(*transforms).update(list(grads))
+    gated(transforms[1], finished, update_fn)
+
+
+# ---------------------------------------------------------------------------
 # The update template.
 # ---------------------------------------------------------------------------
 class Placement:

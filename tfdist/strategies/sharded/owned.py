@@ -277,8 +277,9 @@ class OwnedState(ShardedState):
         ctx = self.check_custom_loop()
         ordered = self.ordered_gradients(grads, trainable_variables)
         summed = collectives.all_reduce_sum(ordered, self.strategy.options.bucket_bytes)
-        grads = self.clip(list(summed))
-        ctx.merge_call(lambda _, *g: self.update(list(g)), args=tuple(grads))
+        update.apply_gradients(
+            self.optimizer, summed, lambda finished: ctx.merge_call(lambda _, *g: self.update(list(g)), args=tuple(finished))
+        )
 
 
 class OnOwners(update.EveryCopy):

@@ -411,8 +411,12 @@ class SlicedState(ShardedState):
         ctx = self.check_custom_loop()
         ordered = self.ordered_gradients(grads, trainable_variables)
         shard, _ = reduce_to_slice(self, self.strategy.options.bucket_bytes, ordered + [tf.constant(1.0)])
-        (shard,) = self.clip([shard])
-        ctx.merge_call(lambda _, *g: self.update(list(g)), args=tuple(self.chunks_of(shard)))
+
+        def apply(finished):
+            ctx.merge_call(lambda _, *g: self.update(list(g)), args=tuple(self.chunks_of(finished[0])))
+
+        # Unscaled and clipped on the summed slice (norms summed across replicas: `clip`).
+        update.apply_gradients(self.optimizer, [shard], apply)
 
 
 class OwnedSlices(update.EveryCopy):

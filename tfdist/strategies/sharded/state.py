@@ -342,9 +342,6 @@ class ShardedState:
                 f"'sharded_optimizer' optimizer was built on {len(self.variables)}. Pass the "
                 "gradients of exactly `model.trainable_variables`."
             )
-        scale = optimizer.loss_scale_factor
-        if scale is not None:
-            ordered = [g if g is None else g / scale for g in ordered]
         return [tf.convert_to_tensor(g) if isinstance(g, keras.Variable) else g for g in ordered]
 
     @tf.autograph.experimental.do_not_convert
