@@ -68,7 +68,7 @@ PS_RETRIED_STEPS = 2
 # workers apply stale gradients varies with the load.
 PS_MARGIN = 0.75
 # Before Adam's update of a variable was one locked op on its ps task
-# (`tfdist.engine.update.AtomicInPlace`), the recommender diverged in 2 of 27
+# (`tfdist.engine.update.LockedInPlace`; before, ordered reads), the recommender diverged in 2 of 27
 # runs of the job (epoch loss 3.9 to 2645): one worker read another's new m
 # with its old v. The margin above now holds for every model.
 
