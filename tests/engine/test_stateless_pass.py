@@ -94,7 +94,7 @@ def test_a_regularized_layer_stays_a_unit(stage):
         model = _model()
         model.optimizer.build(model.trainable_variables)
     step = TrainStep(model)
-    units = step.layer_gathers.units if stage == 3 else step.layer_reductions.units
+    units = step.forward_backward.plan.units
     assert [unit.layer.name for unit in units] == [layer.name for layer in model.layers]
 
 

@@ -664,9 +664,10 @@ def _step_graph(stage, bucket_bytes, digits, by_layer=True, **options):
     """The traced graph of one training step of the digits model, Adam, 4 replicas.
 
     `by_layer=False` traces the path models that are not reduced layer by
-    layer take (an Embedding, a cluster, accumulation, ...): the step's
-    `layer_reductions` is set to None.
+    layer take (an Embedding, a cluster, accumulation, ...): the step's pass
+    is the plain one.
     """
+    from tfdist.engine import passes
     from tfdist.engine.step import TrainStep
 
     strategy = sharded(4, stage, bucket_bytes=bucket_bytes, **options)
@@ -679,7 +680,7 @@ def _step_graph(stage, bucket_bytes, digits, by_layer=True, **options):
     step = TrainStep(model)
     assert step.layer_reductions is not None
     if not by_layer:
-        step.layer_reductions = None
+        step.forward_backward = passes.Plain()
     graph = tf.function(step).get_concrete_function(batch).graph
     return sharded_state(model.optimizer).layout, _operations(graph)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import keras
 import tensorflow as tf
@@ -66,6 +67,9 @@ class CustomTrainStep(TrainStep):
 
     def __init__(self, model):
         super().__init__(model)
+        # Per replica thread: its rows and its loss's reductions, for the weight `_apply` sends with
+        # its gradients (the user's `train_step` calls `optimizer.apply`, with no way to pass them).
+        self._replica = threading.local()
         # (graph, first op, end op) of each reduction and update, kept out of XLA.
         self._engine_ops: list = []
         self.applied = 0
@@ -98,9 +102,9 @@ class CustomTrainStep(TrainStep):
     def _replica_train_step(self, data):
         """Replica context: the model's `train_step`, this replica's rows and loss reductions kept for `_apply`."""
         x, _, _ = kc.unpack_data(data)
-        self._pass.rows = tf.cast(_first_batch_dim(x), tf.float32)
+        self._replica.rows = tf.cast(_first_batch_dim(x), tf.float32)
         with kc.recording_loss_reductions() as reductions:
-            self._pass.reductions = reductions
+            self._replica.reductions = reductions
             return self.model.train_step(data)
 
     def _replica_weight(self):
@@ -114,10 +118,10 @@ class CustomTrainStep(TrainStep):
         """
         if self.strategy.num_replicas_in_sync == 1 and self.accumulation is None:
             return None
-        rows = getattr(self._pass, "rows", None)
+        rows = getattr(self._replica, "rows", None)
         if rows is None:
             return None
-        chosen = self._loss_weight(list(self._pass.reductions))
+        chosen = self._loss_weight(list(self._replica.reductions))
         return rows if chosen is None else chosen
 
     # The stand-in for optimizer.apply ---------------------------------------

@@ -45,10 +45,8 @@ only runs on the last micro-step of each window.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import threading
 import warnings
 from typing import Any, Callable
 
@@ -57,8 +55,7 @@ import tensorflow as tf
 
 from tfdist import collectives
 from tfdist._compat import keras as kc
-from tfdist._compat import tf as tfc
-from tfdist.engine import gather, update
+from tfdist.engine import gather, passes, update
 
 
 def _first_batch_dim(x) -> tf.Tensor:
@@ -358,17 +355,6 @@ class TrainStep:
             self.reduced.build()
             if self.accumulation is not None:
                 self.accumulation.build()
-        # One replica under XLA: forward, backward, finish and update as one
-        # compiled program per step, as Keras's `jit_compile=True` does.
-        self.whole_step_xla = (
-            self.jit_compile
-            and self.strategy.num_replicas_in_sync == 1
-            and self.accumulation is None
-            and self.strategy.gradient_path.local_with_one_replica
-            and not self.overwritten
-            and not synchronized_layers
-        )
-        self._compiled_step = None
         # Set by the host loop (`tfdist.engine.loop`) where metrics are read
         # after every step across processes: the replicas' metric state then
         # travels in the gradients' all-reduce (`metric_riders`).
@@ -378,62 +364,38 @@ class TrainStep:
         # replica's share of the loss logs; None with one replica or across
         # workers (`local_global_batch`).
         self.global_batch = None
-        # Several replicas under XLA: each replica's forward and backward pass
-        # is one compiled program (one per replica, each traced in its own
-        # replica thread); gradients cross devices outside it. Per-op marking
-        # (`_compat.tf.xla_compiled_ops`), whose clusters stop where they must,
-        # stays for: synchronized BatchNorm (a collective inside the forward
-        # pass), and Embedding models, whose sparse rows are summed or
-        # all-gathered by where their indices come from
-        # (`collectives.rows_shared_by_replicas` reads the graph that makes
-        # them, which a compiled function's output hides). The program needs
-        # every variable on the replica's device: a copy of it, or (parameters
-        # held in shards: the sharded optimizer's stage 3, `gathers_parameters`)
-        # its value gathered whole before the pass, an input of the program.
+        # Each replica's compiled forward and backward pass (`passes.CompiledPerReplica`,
+        # `passes.GatheredWhole(compiled=True)`): one `tf.function` per replica.
         self._compiled_forward_backward: dict[int, Callable] = {}
-        # Per replica thread: the weight the last traced pass chose from its
-        # loss (`_loss_weight`), or None for the batch's rows.
-        self._pass = threading.local()
-        self.gathers_parameters = self.strategy.gradient_path.gathers_parameters
-        # The sharded optimizer's layer units (`tfdist.engine.gather`). Stage 3: each top-level
-        # layer gathers its own variables. Stages 1 and 2 on one host, in a plain `fit` step (no
-        # custom train_step, accumulation, loss scaling, XLA, float8 or compressed exchange): each
-        # group of layers' gradients is reduced as its backward pass ends.
-        model = getattr(self, "model", None)
-        self.layer_gathers = gather.LayerGathers.plan(model, variables) if self.gathers_parameters else None
-        self.layer_reductions = (
-            gather.LayerReductions.plan(model, variables, self.options.bucket_bytes)
-            if self.strategy.gradient_path.reduces_by_layer
-            and type(self).compute_gradients is TrainStep.compute_gradients
-            and self.accumulation is None
-            and self.loss_scale is None
-            and self.update_optimizer.loss_scale_factor is None
-            and not self.jit_compile
-            and not self.overwritten
-            and self.options.allreduce_dtype == "float32"
-            and self.strategy.num_replicas_in_sync > 1
-            else None
+        # How each replica's forward and backward pass runs, decided once (`tfdist.engine.passes`).
+        self.forward_backward = passes.choose(
+            self,
+            getattr(self, "model", None),
+            custom_gradients=type(self).compute_gradients is not TrainStep.compute_gradients,
+            synchronized_layers=synchronized_layers,
+            embeddings=embeddings,
         )
-        self.forward_backward_xla = (
-            self.jit_compile
-            and not self.whole_step_xla
-            and (self.strategy.gradient_path.variables_on_replicas or self.gathers_parameters)
-            and not synchronized_layers
-            and not embeddings
-        )
-        if self.whole_step_xla:
+        self._compiled_step = None
+        if self.forward_backward.compiles_whole_step:
             self._compiled_step = tf.function(
                 self._replica_whole_step, jit_compile=True, autograph=False, reduce_retracing=True
             )
 
+    @property
+    def layer_reductions(self) -> gather.LayerReductions | None:
+        """The layer groups whose gradients are reduced as their backward ends (`passes.ReducedByLayer`), or None."""
+        return self.forward_backward.plan if self.forward_backward.reduces_by_layer else None
+
     # Phase 1 ---------------------------------------------------------------
     def _forward_backward(self, x, y, sample_weight, weight_factor=None, sources=None):
-        """Loss and gradients of one micro-batch; `weight_factor` (a scalar) multiplies the loss.
+        """`(y_pred, loss, grads, weight)` of one micro-batch; `weight_factor` (a scalar) multiplies the loss.
 
         The replica's batch weighting rides on the loss, so the backward pass
         carries it and no pass over the gradients is needed for it. With
         `sources` (the variables' values, read in a `StatelessScope` that maps
         each variable to its value), gradients are taken with respect to them.
+        `weight` is what the loss chose to weigh the replica by
+        (`_loss_weight`), or None for its rows.
         """
         model = self.model
         with tf.GradientTape() as tape:
@@ -443,15 +405,15 @@ class TrainStep:
             y_pred = kc.call_model(model, x, training=True)
             with kc.recording_loss_reductions() as reductions:
                 loss = kc.compute_loss(model, x, y, y_pred, sample_weight, training=True)
-            self._pass.weight = self._loss_weight(reductions)
+            weight = self._loss_weight(reductions)
             scaled = self.loss_scale.scale_loss(loss) if self.loss_scale else loss
             if self.update_optimizer.loss_scale_factor is not None:
                 scaled = scaled * self.update_optimizer.loss_scale_factor
             if weight_factor is not None:
-                if self._pass.weight is not None:
-                    weight_factor = self._pass.weight * float(self.strategy.num_replicas_in_sync)
+                if weight is not None:
+                    weight_factor = weight * float(self.strategy.num_replicas_in_sync)
                 scaled = scaled * tf.cast(weight_factor, scaled.dtype)
-        return y_pred, loss, self.gradients(tape, scaled, sources)
+        return y_pred, loss, self.gradients(tape, scaled, sources), weight
 
     def _loss_weight(self, reductions: list):
         """This replica's weight for the loss Keras computed, or None for its batch's rows.
@@ -540,7 +502,7 @@ class TrainStep:
     def _stateless_forward_backward(
         self, x, y, sample_weight, weight_factor=None, gathered=None, also=None, sources=None
     ):
-        """`_forward_backward` with no variable written: returns the layers' updates instead.
+        """`_forward_backward` with no variable written: also returns the layers' updates (before the weight).
 
         Runs in a `keras.StatelessScope`: assignments made by the forward pass
         are recorded, not executed, and come back as `{index in
@@ -560,7 +522,7 @@ class TrainStep:
         # A regularized variable's value read for its regularizer is not an update.
         mapped |= {id(v) for v in self.regularized}
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-            y_pred, loss, grads = self._forward_backward(
+            y_pred, loss, grads, weight = self._forward_backward(
                 x, y, sample_weight, weight_factor, sources=gathered if sources is None else sources
             )
         updates = {}
@@ -570,9 +532,9 @@ class TrainStep:
             value = scope.get_current_value(v)
             if value is not None:
                 updates[i] = value
-        return y_pred, loss, grads, updates
+        return y_pred, loss, grads, updates, weight
 
-    def _gathered_forward_backward(self, x, y, sample_weight, weight_factor=None):
+    def _gathered_forward_backward(self, x, y, sample_weight, weight_factor, share, compiled: bool, context):
         """Replica context: the forward and backward pass on every trainable variable read whole here.
 
         Each variable held in shards (`ShardedVariable`) is gathered on this
@@ -581,31 +543,27 @@ class TrainStep:
         mapping); gradients are taken with respect to the gathered values, so
         they keep their variable's whole shape, and an Embedding's sparse rows
         their indices. The layers' own updates (BatchNorm statistics, seeds)
-        are written after, in replica context. Under XLA (`forward_backward_xla`)
-        the pass is one compiled program per replica, as under mirrored.
+        are written after, in replica context. `compiled`: the pass is one
+        XLA program per replica, as under mirrored; else it runs in `context`.
         """
         # Variables held in parts that the step does not train (a layer frozen
         # after it was built) are read whole too, not differentiated.
-        frozen = self._frozen_parts()
-        also = [tf.convert_to_tensor(kc.tf_variable(v)) for v in frozen]
-        if self.layer_gathers is not None and not self.forward_backward_xla:
-            return self._forward_backward_by_layer(x, y, sample_weight, weight_factor, also)
+        also = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self._frozen_parts()]
         gathered = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
-        if self.forward_backward_xla:
+        if compiled:
             # The gathered values are the compiled function's inputs.
-            y_pred, loss, grads, updates = self._replica_forward_backward()(
-                x, y, sample_weight, weight_factor, gathered, also
+            y_pred, loss, grads, updates, weight = self._replica_forward_backward()(
+                share, x, y, sample_weight, weight_factor, gathered, also
             )
         else:
-            context = tfc.xla_compiled_ops() if self.jit_compile else contextlib.nullcontext()
             with context:
-                y_pred, loss, grads, updates = self._stateless_forward_backward(
+                y_pred, loss, grads, updates, weight = self._stateless_forward_backward(
                     x, y, sample_weight, weight_factor, gathered=gathered, also=also
                 )
         self._assign_updates(updates)
-        return y_pred, loss, with_variable_shapes(grads, self.variables)
+        return y_pred, loss, with_variable_shapes(grads, self.variables), weight
 
-    def _forward_backward_by_layer(self, x, y, sample_weight, weight_factor, also):
+    def _forward_backward_by_layer(self, x, y, sample_weight, weight_factor, gathers, context):
         """`_gathered_forward_backward` with the units' variables gathered layer by layer.
 
         Each unit's variables are read as their parts' values; the unit's
@@ -619,7 +577,7 @@ class TrainStep:
         gradient added to the parts'. Under accumulation the parts' gradients
         are joined into one per variable (the accumulators are whole).
         """
-        gathers = self.layer_gathers
+        also = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self._frozen_parts()]
         by_unit = gathers.gathered_by_units
         parts = {i: [tf.convert_to_tensor(p) for p in kc.variable_parts(self.variables[i])] for i in by_unit}
         gathered, sources = [], []
@@ -630,9 +588,8 @@ class TrainStep:
             else:
                 gathered.append(tf.convert_to_tensor(kc.tf_variable(v)))
                 sources.append(gathered[-1])
-        context = tfc.xla_compiled_ops() if self.jit_compile else contextlib.nullcontext()
         with context, kc.calls_replaced(gathers.calls(parts, gathered)):
-            y_pred, loss, grads, updates = self._stateless_forward_backward(
+            y_pred, loss, grads, updates, weight = self._stateless_forward_backward(
                 x, y, sample_weight, weight_factor, gathered=gathered, also=also, sources=sources
             )
         self._assign_updates(updates)
@@ -641,7 +598,7 @@ class TrainStep:
             (tuple(g) if self.accumulation is None else regroup(self.variables[i], list(g))) if i in parts else g
             for i, g in enumerate(grads)
         ]
-        return y_pred, loss, grads
+        return y_pred, loss, grads, weight
 
     def _frozen_parts(self) -> list:
         """The model's variables held in parts that the step does not train (in model order)."""
@@ -650,6 +607,9 @@ class TrainStep:
 
     def _replica_forward_backward(self) -> Callable:
         """This replica's compiled forward and backward pass (one `tf.function` per replica).
+
+        Its call takes the replica's share of the global batch first and
+        returns `_stateless_forward_backward`'s outputs.
 
         One function per replica: MirroredStrategy traces each replica in its
         own thread, and a function shared by the threads would be traced
@@ -661,17 +621,16 @@ class TrainStep:
 
             def weighed(share, *args):
                 with kc.output_losses_weighted(share):
-                    outputs = self._stateless_forward_backward(*args)
-                rows["traced"] = self._pass.weight is None
-                return (*outputs, tf.constant(0.0) if self._pass.weight is None else self._pass.weight)
+                    *outputs, weight = self._stateless_forward_backward(*args)
+                rows["traced"] = weight is None
+                return (*outputs, tf.constant(0.0) if weight is None else weight)
 
             compiled = tf.function(weighed, jit_compile=True, autograph=False, reduce_retracing=True)
 
-            def call(*args):
+            def call(share, *args):
                 # The weight the pass chose leaves the program as an output.
-                *outputs, weight = compiled(getattr(self._pass, "share", None), *args)
-                self._pass.weight = None if rows["traced"] else weight
-                return tuple(outputs)
+                *outputs, weight = compiled(share, *args)
+                return (*outputs, None if rows["traced"] else weight)
 
             self._compiled_forward_backward[replica] = call
         return self._compiled_forward_backward[replica]
@@ -695,19 +654,19 @@ class TrainStep:
         for i, value in updates.items():
             variables[i].assign(value)
 
-    def _forward_backward_reducing(self, x, y, sample_weight, weight_factor, reducer):
+    def _forward_backward_reducing(self, x, y, sample_weight, weight_factor, plan, reducer):
         """The pass with each group of layers' weight gradients handed to `reducer` as its backward ends.
 
         The layers read the variables' values in a `keras.StatelessScope` and
-        each top-level layer enters through `layer_reductions`
+        each top-level layer enters through the `plan`
         (`tfdist.engine.gather.LayerReductions`); what no group took is handed
         over at the end. The gradients returned are None where they were
         handed over (a sparse one comes back as usual).
         """
         reads = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
-        reduction = self.layer_reductions.pass_(reads, reducer)
+        reduction = plan.pass_(reads, reducer)
         with kc.calls_replaced(reduction.calls):
-            y_pred, loss, grads, updates = self._stateless_forward_backward(
+            y_pred, loss, grads, updates, weight = self._stateless_forward_backward(
                 x, y, sample_weight, weight_factor, gathered=reads
             )
         reduction.flush()
@@ -720,12 +679,13 @@ class TrainStep:
             reducer(outside, [grads[i] for i in outside])
             grads = [None if i in outside else g for i, g in enumerate(grads)]
         self._assign_updates(updates)
-        return y_pred, loss, grads
+        return y_pred, loss, grads, weight
 
     def compute_gradients(self, data, reducer=None) -> list:
         """Replica context: `[weighted grads..., batch size]` of this micro-batch.
 
-        With `reducer` (where `layer_reductions` is set), each group of layers'
+        The pass is the step's `forward_backward` (`tfdist.engine.passes`).
+        With `reducer` (where it reduces by layer), each group of layers'
         weight gradients goes to `reducer(indices, gradients)` as its backward
         pass ends, and comes back None (`_forward_backward_reducing`).
         """
@@ -733,10 +693,9 @@ class TrainStep:
         batch = _first_batch_dim(x)
         weighted = not (self.strategy.num_replicas_in_sync == 1 and self.accumulation is None)
         weight = factor = None
-        self._pass.weight = None
         # Each replica's per-output loss logs count at its share of the global
         # batch (`run_weighing_output_losses`); the XLA pass takes it as an input.
-        self._pass.share = None if self.global_batch is None else replica_share(data, self.global_batch)
+        share = None if self.global_batch is None else replica_share(data, self.global_batch)
         if weighted:
             # Keras divided the loss by the replica count; undo that and weight
             # by this replica's batch size instead (exact for uneven splits),
@@ -747,27 +706,12 @@ class TrainStep:
         # float16 activations) or a float8 layer reads its output gradient's
         # magnitude (`overwrite_with_gradient`): then on each gradient.
         on_loss = factor if (self.loss_scale is None and not self.overwritten) else None
-        with kc.output_losses_weighted(self._pass.share):
-            if reducer is not None:
-                y_pred, loss, grads = self._forward_backward_reducing(x, y, sample_weight, on_loss, reducer)
-            elif self.gathers_parameters:
-                y_pred, loss, grads = self._gathered_forward_backward(x, y, sample_weight, on_loss)
-            elif self.forward_backward_xla:
-                y_pred, loss, grads, updates = self._replica_forward_backward()(x, y, sample_weight, on_loss)
-                # The layers' state updates (BatchNorm's moving statistics, dropout
-                # seeds), recorded inside the compiled function, are written here,
-                # in replica context, where a mirrored variable's assignment may
-                # synchronise (a `merge_call` cannot run inside a nested function).
-                self._assign_updates(updates)
-            elif self.jit_compile and not self.whole_step_xla:
-                with tfc.xla_compiled_ops():
-                    y_pred, loss, grads = self._forward_backward(x, y, sample_weight, on_loss)
-            else:
-                y_pred, loss, grads = self._forward_backward(x, y, sample_weight, on_loss)
-        if weighted and self._pass.weight is not None:
-            weight = self._pass.weight
+        with kc.output_losses_weighted(share):
+            y_pred, loss, grads, chosen = self.forward_backward(self, x, y, sample_weight, on_loss, share, reducer)
+        if weighted and chosen is not None:
+            weight = chosen
             factor = weight * float(self.strategy.num_replicas_in_sync)
-        kc.track_loss(self.model, loss, batch, loss_log_factor(self.model, self._pass.share))
+        kc.track_loss(self.model, loss, batch, loss_log_factor(self.model, share))
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         grads = self.overwrite_from_replicas(grads)
         if not weighted:
