@@ -30,6 +30,7 @@ from tfdist import collectives
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
 from tfdist.engine import update
+from tfdist.engine.step import all_reduce
 from tfdist.strategies.sharded.optimizer import build_optimizer, unsharded_class
 from tfdist.strategies.sharded.state import ShardedState, empty, fill
 
@@ -131,6 +132,10 @@ class OwnedState(ShardedState):
     def gradient_buffer_estimate(self) -> int:
         """The whole reduced gradient: every replica all-reduces all of it, as under mirrored."""
         return sum(int(np.prod(v.shape)) for v in self.variables) * 4
+
+    def run_step(self, step, data):
+        """The gradients all-reduced, as under mirrored; each owner updates its own variables."""
+        return all_reduce(step, data, update_fn=self.update)
 
     def slot_names(self) -> dict:
         return dict(self._slot_attribute)

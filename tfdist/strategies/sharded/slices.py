@@ -33,6 +33,7 @@ from tfdist.sharding import FlatLayout, gather_range
 from tfdist.strategies.sharded.checkpoint import canonical_optimizer_layout
 from tfdist.strategies.sharded.optimizer import build_optimizer
 from tfdist.strategies.sharded.state import ShardedState, empty, fill
+from tfdist.strategies.sharded.step import reduce_to_slice, slices_path
 
 # The default of `shard_bucket_bytes`: on one host, the flat layout's buckets
 # are at most this many bytes (and at most `bucket_bytes`). A bucket's chunk
@@ -134,6 +135,9 @@ class SlicedState(ShardedState):
 
     def slot_names(self) -> dict:
         return {id(v): name for name, per_chunk in self.slots.items() for v in per_chunk}
+
+    def run_step(self, step, data):
+        return slices_path(self, step, data)
 
     # Clipping ---------------------------------------------------------------
     def clip(self, grads: list) -> list:
@@ -406,8 +410,6 @@ class SlicedState(ShardedState):
         model. Keras's own optimizer would clip each replica's gradient before
         summing; here clipping sees the summed gradient, as on one device.
         """
-        from tfdist.strategies.sharded.step import reduce_to_slice
-
         ctx = self.check_custom_loop()
         ordered = self.ordered_gradients(grads, trainable_variables)
         shard, _ = reduce_to_slice(self, self.strategy.options.bucket_bytes, ordered + [tf.constant(1.0)])

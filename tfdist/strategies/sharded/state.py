@@ -126,6 +126,10 @@ class ShardedState:
         """The optimizer's clipping, where the engine's `finish` (or a custom loop's apply) calls it."""
         raise NotImplementedError
 
+    def run_step(self, step, data):
+        """Cross-replica context: one training step's reduction and update (the strategy's gradient path)."""
+        raise NotImplementedError
+
     def apply(self, grads, trainable_variables=None) -> None:
         """`optimizer.apply` from a custom `train_step` or training loop (replica context)."""
         raise NotImplementedError

@@ -12,8 +12,9 @@ state's update (`TrainStep.apply`, so loss-scale gating holds):
   its slice, and stage 2 reduce-scatters the flattened gradient bucket by
   bucket (`tfdist.collectives.reduce_scatter_sum`), so a replica never holds
   more than its gradient slice and two buckets (`reduce_to_slice`);
-* by whole variables (`OwnedState`): the gradients are all-reduced, as under
-  mirrored (`tfdist.engine.step.all_reduce`), and each owner updates its own.
+* by whole variables (`OwnedState.run_step`): the gradients are all-reduced,
+  as under mirrored (`tfdist.engine.step.all_reduce`), and each owner updates
+  its own.
 """
 
 from __future__ import annotations
@@ -21,21 +22,22 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist import collectives
-from tfdist.engine.step import all_reduce, summed_riders
+from tfdist.engine.step import summed_riders
 from tfdist.sharding import dense_only, gather_shard, gather_shard_slices, has_sparse
 from tfdist.strategies.sharded.optimizer import sharded_state
-from tfdist.strategies.sharded.owned import OwnedState
 
 
 def sharded_optimizer_path(step, data):
-    """The gradient path of `ShardedOptimizerStrategy` at stages 1 and 2: reduce to what each replica updates, update, gather.
+    """The gradient path of `ShardedOptimizerStrategy` at stages 1 and 2: the optimizer's sharded state runs it.
 
     Returns the replicas' summed metric state where it rode in the reduction
     (`TrainStep.metric_riders`), else None.
     """
-    state = sharded_state(step.optimizer)
-    if isinstance(state, OwnedState):
-        return all_reduce(step, data, update_fn=state.update)
+    return sharded_state(step.optimizer).run_step(step, data)
+
+
+def slices_path(state, step, data):
+    """A `SlicedState`'s step: reduce to each replica's slice, finish, update the slices and all-gather."""
 
     def replica_fn(batch):
         if step.layer_reductions is not None:
