@@ -51,7 +51,7 @@ class Plain(ForwardBackward):
     """The pass as Keras writes it, under one `tf.GradientTape`."""
 
     def __call__(self, step, x, y, sample_weight, on_loss, share, reducer=None) -> tuple:
-        return step._forward_backward(x, y, sample_weight, on_loss)
+        return step.run_tape(x, y, sample_weight, on_loss)
 
 
 class WholeStepXla(Plain):
@@ -65,17 +65,17 @@ class MarkedXla(ForwardBackward):
 
     def __call__(self, step, x, y, sample_weight, on_loss, share, reducer=None) -> tuple:
         with tfc.xla_compiled_ops():
-            return step._forward_backward(x, y, sample_weight, on_loss)
+            return step.run_tape(x, y, sample_weight, on_loss)
 
 
 class CompiledPerReplica(ForwardBackward):
     """One XLA program per replica; the layers' state updates recorded inside and written after."""
 
     def __call__(self, step, x, y, sample_weight, on_loss, share, reducer=None) -> tuple:
-        y_pred, loss, grads, updates, weight = step._replica_forward_backward()(share, x, y, sample_weight, on_loss)
+        y_pred, loss, grads, updates, weight = step.replica_program()(share, x, y, sample_weight, on_loss)
         # Written here, in replica context, where a mirrored variable's assignment may
         # synchronise (a `merge_call` cannot run inside a nested function).
-        step._assign_updates(updates)
+        step.assign_updates(updates)
         return y_pred, loss, grads, weight
 
 
@@ -93,7 +93,7 @@ class GatheredWhole(ForwardBackward):
 
     def __call__(self, step, x, y, sample_weight, on_loss, share, reducer=None) -> tuple:
         context = tfc.xla_compiled_ops() if self.marked and not self.compiled else contextlib.nullcontext()
-        return step._gathered_forward_backward(x, y, sample_weight, on_loss, share, compiled=self.compiled,
+        return step.run_gathered(x, y, sample_weight, on_loss, share, compiled=self.compiled,
                                                context=context)
 
     def __repr__(self) -> str:
@@ -114,7 +114,7 @@ class GatheredByLayer(ForwardBackward):
 
     def __call__(self, step, x, y, sample_weight, on_loss, share, reducer=None) -> tuple:
         context = tfc.xla_compiled_ops() if self.marked else contextlib.nullcontext()
-        return step._forward_backward_by_layer(x, y, sample_weight, on_loss, self.plan, context)
+        return step.run_gathered_by_layer(x, y, sample_weight, on_loss, self.plan, context)
 
 
 class ReducedByLayer(ForwardBackward):
@@ -131,8 +131,8 @@ class ReducedByLayer(ForwardBackward):
 
     def __call__(self, step, x, y, sample_weight, on_loss, share, reducer=None) -> tuple:
         if reducer is None:
-            return step._forward_backward(x, y, sample_weight, on_loss)
-        return step._forward_backward_reducing(x, y, sample_weight, on_loss, self.plan, reducer)
+            return step.run_tape(x, y, sample_weight, on_loss)
+        return step.run_reducing(x, y, sample_weight, on_loss, self.plan, reducer)
 
 
 def choose(step, model, custom_gradients: bool, synchronized_layers: bool, embeddings: bool) -> ForwardBackward:

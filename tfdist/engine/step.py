@@ -151,7 +151,7 @@ def test_step(model, data, share=None):
 def _scale(g, factor):
     if g is None:
         return None
-    if isinstance(g, tuple):  # one gradient per part (`TrainStep._forward_backward_by_layer`)
+    if isinstance(g, tuple):  # one gradient per part (`TrainStep.run_gathered_by_layer`)
         return tuple(_scale(p, factor) for p in g)
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(
@@ -387,7 +387,7 @@ class TrainStep:
         return self.forward_backward.plan if self.forward_backward.reduces_by_layer else None
 
     # Phase 1 ---------------------------------------------------------------
-    def _forward_backward(self, x, y, sample_weight, weight_factor=None, sources=None):
+    def run_tape(self, x, y, sample_weight, weight_factor=None, sources=None):
         """`(y_pred, loss, grads, weight)` of one micro-batch; `weight_factor` (a scalar) multiplies the loss.
 
         The replica's batch weighting rides on the loss, so the backward pass
@@ -502,7 +502,7 @@ class TrainStep:
     def _stateless_forward_backward(
         self, x, y, sample_weight, weight_factor=None, gathered=None, also=None, sources=None
     ):
-        """`_forward_backward` with no variable written: also returns the layers' updates (before the weight).
+        """`run_tape` with no variable written: also returns the layers' updates (before the weight).
 
         Runs in a `keras.StatelessScope`: assignments made by the forward pass
         are recorded, not executed, and come back as `{index in
@@ -522,7 +522,7 @@ class TrainStep:
         # A regularized variable's value read for its regularizer is not an update.
         mapped |= {id(v) for v in self.regularized}
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-            y_pred, loss, grads, weight = self._forward_backward(
+            y_pred, loss, grads, weight = self.run_tape(
                 x, y, sample_weight, weight_factor, sources=gathered if sources is None else sources
             )
         updates = {}
@@ -534,7 +534,7 @@ class TrainStep:
                 updates[i] = value
         return y_pred, loss, grads, updates, weight
 
-    def _gathered_forward_backward(self, x, y, sample_weight, weight_factor, share, compiled: bool, context):
+    def run_gathered(self, x, y, sample_weight, weight_factor, share, compiled: bool, context):
         """Replica context: the forward and backward pass on every trainable variable read whole here.
 
         Each variable held in shards (`ShardedVariable`) is gathered on this
@@ -552,7 +552,7 @@ class TrainStep:
         gathered = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
         if compiled:
             # The gathered values are the compiled function's inputs.
-            y_pred, loss, grads, updates, weight = self._replica_forward_backward()(
+            y_pred, loss, grads, updates, weight = self.replica_program()(
                 share, x, y, sample_weight, weight_factor, gathered, also
             )
         else:
@@ -560,11 +560,11 @@ class TrainStep:
                 y_pred, loss, grads, updates, weight = self._stateless_forward_backward(
                     x, y, sample_weight, weight_factor, gathered=gathered, also=also
                 )
-        self._assign_updates(updates)
+        self.assign_updates(updates)
         return y_pred, loss, with_variable_shapes(grads, self.variables), weight
 
-    def _forward_backward_by_layer(self, x, y, sample_weight, weight_factor, gathers, context):
-        """`_gathered_forward_backward` with the units' variables gathered layer by layer.
+    def run_gathered_by_layer(self, x, y, sample_weight, weight_factor, gathers, context):
+        """`run_gathered` with the units' variables gathered layer by layer.
 
         Each unit's variables are read as their parts' values; the unit's
         layer gathers them for its own forward and again for its backward
@@ -592,7 +592,7 @@ class TrainStep:
             y_pred, loss, grads, updates, weight = self._stateless_forward_backward(
                 x, y, sample_weight, weight_factor, gathered=gathered, also=also, sources=sources
             )
-        self._assign_updates(updates)
+        self.assign_updates(updates)
         grads = [gather.with_outside_reads(g, parts[i]) if i in parts else g for i, g in enumerate(grads)]
         grads = [
             (tuple(g) if self.accumulation is None else regroup(self.variables[i], list(g))) if i in parts else g
@@ -605,7 +605,7 @@ class TrainStep:
         trained = {id(v) for v in self.variables}
         return [v for v in self.model.variables if id(v) not in trained and kc.is_sharded(v)]
 
-    def _replica_forward_backward(self) -> Callable:
+    def replica_program(self) -> Callable:
         """This replica's compiled forward and backward pass (one `tf.function` per replica).
 
         Its call takes the replica's share of the global batch first and
@@ -646,7 +646,7 @@ class TrainStep:
         known = {id(v) for v in model_variables}
         return model_variables + [v for v in self.model.metrics_variables if id(v) not in known]
 
-    def _assign_updates(self, updates: dict) -> None:
+    def assign_updates(self, updates: dict) -> None:
         """Writes what a stateless pass recorded (`{index in _stateful_variables(): value}`)."""
         if not updates:
             return
@@ -654,7 +654,7 @@ class TrainStep:
         for i, value in updates.items():
             variables[i].assign(value)
 
-    def _forward_backward_reducing(self, x, y, sample_weight, weight_factor, plan, reducer):
+    def run_reducing(self, x, y, sample_weight, weight_factor, plan, reducer):
         """The pass with each group of layers' weight gradients handed to `reducer` as its backward ends.
 
         The layers read the variables' values in a `keras.StatelessScope` and
@@ -678,7 +678,7 @@ class TrainStep:
         if outside:
             reducer(outside, [grads[i] for i in outside])
             grads = [None if i in outside else g for i, g in enumerate(grads)]
-        self._assign_updates(updates)
+        self.assign_updates(updates)
         return y_pred, loss, grads, weight
 
     def compute_gradients(self, data, reducer=None) -> list:
@@ -687,7 +687,7 @@ class TrainStep:
         The pass is the step's `forward_backward` (`tfdist.engine.passes`).
         With `reducer` (where it reduces by layer), each group of layers'
         weight gradients goes to `reducer(indices, gradients)` as its backward
-        pass ends, and comes back None (`_forward_backward_reducing`).
+        pass ends, and comes back None (`run_reducing`).
         """
         x, y, sample_weight = kc.unpack_data(data)
         batch = _first_batch_dim(x)
@@ -866,7 +866,7 @@ class GradientPath:
             device). Default True.
         gathers_parameters: bool. Variables are held in shards across the
             replicas' devices; each replica gathers them layer by layer, or
-            whole before its forward pass (`TrainStep._gathered_forward_backward`).
+            whole before its forward pass (`TrainStep.run_gathered`).
             Default False.
         reduces_by_layer: bool. The path can take each group of layers'
             gradients as that group's backward pass ends
