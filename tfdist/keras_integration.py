@@ -680,6 +680,7 @@ def _sum_over_replicas(strategy, sent: list, rows, shared: tuple) -> list:
     return _with_shared_rows(out, rows, shared, lambda t: strategy.experimental_local_results(t)[0])
 
 
+@tf.autograph.experimental.do_not_convert
 def _apply_summed(strategy, optimizer, sent: list, variables: list, rows, *, original, shared) -> None:
     """Cross-replica context: Keras's `apply` (or `LossScaleOptimizer.apply`) on the replicas' sum, once.
 

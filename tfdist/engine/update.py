@@ -1,42 +1,52 @@
-"""The optimizer update once the gradients are final: Keras's `Optimizer.apply` order, written once.
+"""The optimizer update: Keras's `Optimizer.apply` order, written once, for every path and strategy.
 
-Every strategy updates in the same order as Keras's `BaseOptimizer.apply` and
-`_backend_apply_gradients` (Keras 3.15), after the step engine has reduced,
-normalised, unscaled and clipped the gradients (and gated the step on inf/nan
-under loss scaling):
+`fit`'s step, a custom `train_step`'s `optimizer.apply`, a custom training
+loop, the parameter server and the sharded optimizer (its slices, its whole
+variables, stage 3's parts) all update through this module, in the order of
+Keras's `BaseOptimizer.apply` and `_backend_apply_gradients` (Keras 3.15):
 
-1. `overwrite_with_gradient` variables (Keras's float8 scales and amax
+1. `optimizer_transforms` on the summed gradients: the static loss scale
+   undone, a `LossScaleOptimizer`'s dynamic scale undone, clipping (`fit`'s
+   step chains them after normalising by the global batch; a custom loop's
+   gradients go through `apply_gradients`); then, behind the dynamic loss
+   scale's gate (`gated`), `apply_update`:
+2. `overwrite_with_gradient` variables (Keras's float8 scales and amax
    histories) take their gradient as their value and leave the update;
-2. the optimizer's once-per-step state advances (Nadam's `u_product`, which
-   Keras advances in `Nadam._backend_update_step`);
 3. decoupled weight decay (the optimizer's rate, Muon's per-variable rate,
    `exclude_from_weight_decay`);
-4. the optimizer's own `update_step` on each variable;
+4. the optimizer's own `_backend_update_step`: its once-per-step state
+   (Nadam's `u_product`), then its own `update_step` on each variable, each
+   where the placement runs it (`kc.run_update_step`) — no update formula of
+   Keras is copied here, so a user's subclass or own optimizer is exact;
 5. constraints;
 6. EMA of the weights, and its periodic overwrite (`use_ema`,
    `ema_overwrite_frequency`); under Keras's `gradient_accumulation_steps`
    the average also moves on the micro-steps that only accumulate, as in
-   Keras: those moves are made at the window's update, before 1;
+   Keras: those moves are made at the window's update, before 2;
 7. the iteration count.
 
-A `MultiOptimizer` runs this for each sub-optimizer on its variables, then
+A `MultiOptimizer` runs 2-7 for each sub-optimizer on its variables, then
 counts its own iteration, as Keras's `MultiOptimizer.apply` does.
 
-What varies by strategy is only *where each update runs* — a `Placement`:
+What varies by strategy is only *where each update runs* — a `Placement`,
+always on real variables:
 
 * `EveryCopy`: through `strategy.extended.update`, in cross-replica context:
   on every replica's copy (mirrored, multi_worker; the gradients are
   per-replica values), or once on the variable's device (central_storage).
-  The sharded optimizer uses it on the flat slice variable, whose copy on
-  replica `r` holds slice `r`.
-* `InPlace`: on the variable where it lives, from the calling context
-  (parameter server: a worker writes the variables on the ps tasks, without
-  synchronisation).
+* `InPlace`: on the variable where it lives, from the calling context;
+  `LockedInPlace` (parameter server: a worker writes the variables on the ps
+  tasks, concurrently with other workers) holds a lock on the variable's
+  device for each variable's update.
+* the sharded optimizer's (`tfdist.strategies.sharded`): each replica's
+  chunk of the flat parameters, each owner's whole variables, stage 3's
+  parts.
 
 Example:
 
 ```python
-update.apply_update(optimizer, grads, model.trainable_variables, update.EveryCopy(strategy))
+update.apply_gradients(optimizer, summed, lambda grads: update.apply_update(
+    optimizer, grads, model.trainable_variables, update.EveryCopy(strategy)))
 ```
 
 ## The gradient chain
@@ -642,7 +652,11 @@ class AccumulationState(kc.saved_beside_optimizer_class()):
 
 # ---------------------------------------------------------------------------
 # Keras's `apply`, once: summed gradients -> unscale -> clip -> gated update.
+# Plain Python around TensorFlow calls, never converted by autograph (whose
+# conversion of these nested calls failed in long test runs: "tf__optimizer_
+# transforms() takes 1 positional argument but 3 were given").
 # ---------------------------------------------------------------------------
+@tf.autograph.experimental.do_not_convert
 def optimizer_transforms(optimizer) -> list:
     """Keras's `Optimizer.apply` steps between the summed gradients and the update, in Keras's order.
 
@@ -659,6 +673,7 @@ def optimizer_transforms(optimizer) -> list:
     return [unscale_static(inner), dynamic_loss_scale(optimizer), clip_by_optimizer(inner)]
 
 
+@tf.autograph.experimental.do_not_convert
 def gated(loss_scale, grads: list, update_fn: Callable[[list], None]) -> None:
     """Cross-replica context: `update_fn(grads)`, skipped on inf/nan where a dynamic `loss_scale` gates it."""
     if loss_scale is None:
@@ -667,6 +682,7 @@ def gated(loss_scale, grads: list, update_fn: Callable[[list], None]) -> None:
         loss_scale.gate(grads, update_fn)
 
 
+@tf.autograph.experimental.do_not_convert
 def apply_gradients(optimizer, grads: Sequence, update_fn: Callable[[list], None]) -> None:
     """Keras's `Optimizer.apply` on gradients already summed over the replicas: unscale, clip, then the update.
 
@@ -776,6 +792,7 @@ class LockedInPlace(InPlace):
         section.execute(locked, exclusive_resource_access=False)
 
 
+@tf.autograph.experimental.do_not_convert
 def apply_update(
     optimizer,
     grads: Sequence,

@@ -213,6 +213,7 @@ class OwnedState(ShardedState):
         return [np.asarray(self._read_owned(a, owner).numpy()) for a, owner in zip(averages, self.owners)]
 
     # The update ------------------------------------------------------------------
+    @tf.autograph.experimental.do_not_convert
     def update(self, grads: list) -> None:
         """Cross-replica context: each owner updates its variables whole, then every replica gets them."""
         placement = OnOwners(self, grads)

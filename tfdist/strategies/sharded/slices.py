@@ -302,6 +302,7 @@ class SlicedState(ShardedState):
             return out
         return [g] if buckets == 1 else [g[k * c:(k + 1) * c] for k in range(buckets)]
 
+    @tf.autograph.experimental.do_not_convert
     def update(self, grads: list) -> None:
         """Cross-replica context: each replica's update of its slice, then the all-gather into the weights."""
         placement = OwnedSlices(self, grads)
