@@ -121,17 +121,6 @@ class FlatLayout:
         return self.num_buckets * self.chunk_size
 
     @property
-    def slot_shape(self) -> tuple[int, int]:
-        """`(num_buckets, C)`: a replica's slice as the optimizer's state holds it, one row per chunk.
-
-        Row `k` is the replica's chunk of bucket `k`, so the chunk-by-chunk
-        update reads and writes whole rows (`ResourceGather` and
-        `ResourceScatterUpdate` of one row copy it as one block; a 1-D slot's
-        chunk is gathered element by element, measured 7x slower).
-        """
-        return (self.num_buckets, self.chunk_size)
-
-    @property
     def padding(self) -> int:
         """Zeros appended so that the flat vector splits evenly."""
         return self.shard_size * self.num_shards - self.total
