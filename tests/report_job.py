@@ -9,11 +9,14 @@ Usage: report_job.py OUT_DIR, with TF_CONFIG set by the launcher.
    host call until worker 0's collective has timed out (collective_timeout
    10 s); worker 0 writes the error it got to OUT_DIR/timeout.txt. Both then
    exit 0.
+
+Each task also copies its own timeline file (worker-<i>.json) to OUT_DIR.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 
@@ -61,6 +64,8 @@ with strategy.scope():
 # 2 warm-up calls, 10 profiled (+1 that closes the window), 9 timed.
 model.fit(dataset, epochs=1, steps_per_epoch=22, verbose=0,
           callbacks=[Straggler(), StepReport(path=os.path.join(out, "report.json"))])
+# This task's own timeline file, for the test of the clock alignment (the launcher removes the directory).
+shutil.copy(os.path.join(os.environ["TFDIST_TIMELINE_DIR"], f"worker-{worker}.json"), out)
 try:
     model.fit(dataset, epochs=1, steps_per_epoch=10, verbose=0, callbacks=[Stuck()])
 except tf.errors.DeadlineExceededError as error:

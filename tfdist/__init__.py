@@ -46,6 +46,7 @@ _PUBLIC = {
     "memory_report": "tfdist.memory",
     "register": "tfdist.registry",
     "strategy_names": "tfdist.registry",
+    "tune": "tfdist.tuning",
 }
 
 _loaded = False
@@ -118,6 +119,7 @@ if _os.environ.get("TFDIST_LOCAL_DEVICES"):
 
 __all__ = [
     "ClusterConfigError",
+    "callbacks",
     "OptionError",
     "PresetError",
     "TrainingOptions",
@@ -132,6 +134,8 @@ __all__ = [
     "memory_report",
     "options",
     "register",
+    "report",
     "strategies",
     "strategy_names",
+    "tune",
 ]

@@ -609,3 +609,17 @@ def read_xspace(path: str):
 
     with open(path, "rb") as f:
         return xplane_pb2.XSpace.FromString(f.read())
+
+
+def first_replica_spec(spec):
+    """`spec` with each per-replica spec (`PerReplicaSpec`, a distributed iterator's elements) as its first replica's.
+
+    `PerReplicaSpec` keeps its components in `_value_specs` (TensorFlow 2.16 to
+    2.21, tensorflow/python/distribute/values.py); no public accessor exists.
+    """
+
+    def first(s):
+        values = getattr(s, "_value_specs", None)
+        return values[0] if values else s
+
+    return tf.nest.map_structure(first, spec, expand_composites=False)

@@ -47,7 +47,7 @@ GPU_PEAKS_TFLOPS = {
 TPU_PEAKS_TFLOPS = {"v6e": 918.0, "v5p": 459.0, "v5e": 197.0, "v5 lite": 197.0, "v4": 275.0, "v3": 123.0, "v2": 45.0}
 
 
-def _output_sum(outputs) -> tf.Tensor:
+def output_sum(outputs) -> tf.Tensor:
     leaves = [t for t in tf.nest.flatten(outputs) if t is not None]
     return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in leaves])
 
@@ -99,7 +99,7 @@ def graph_flops(graph) -> int:
     return int(counted) + sum(_einsum_flops(op) for op in graph.get_operations() if op.type == "Einsum")
 
 
-def _with_batch(spec, batch: int):
+def with_batch(spec, batch: int):
     shape = spec.shape
     if shape.rank is None or shape.rank == 0:
         return spec
@@ -107,15 +107,19 @@ def _with_batch(spec, batch: int):
 
 
 def input_specs(model, element_spec=None):
-    """The structure of `TensorSpec`s the model is called on: its `inputs`, else `x` of the input's element spec."""
-    inputs = getattr(model, "inputs", None)
-    if inputs:
-        specs = [tf.TensorSpec(t.shape, t.dtype) for t in inputs]
-        return specs[0] if len(specs) == 1 else specs
+    """The structure of `TensorSpec`s the model is called on: its `input`, else `x` of the input's element spec."""
+    try:
+        structure = model.input  # a functional model's inputs as it declared them (a tensor, list or dict)
+    except (AttributeError, ValueError):  # a subclassed model: none
+        structure = None
+    if structure is not None:
+        return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), structure)
     if element_spec is None:
         return None
-    x = element_spec[0] if isinstance(element_spec, tuple) else element_spec
-    return x
+    from tfdist._compat import tf as tfc
+
+    element_spec = tfc.first_replica_spec(element_spec)
+    return element_spec[0] if isinstance(element_spec, tuple) else element_spec
 
 
 def training_flops(model, batch: int, element_spec=None) -> int | None:
@@ -140,13 +144,13 @@ def training_flops(model, batch: int, element_spec=None) -> int | None:
     specs = input_specs(model, element_spec)
     if specs is None:
         return None
-    specs = tf.nest.map_structure(lambda s: _with_batch(s, batch), specs)
+    specs = tf.nest.map_structure(lambda s: with_batch(s, batch), specs)
     variables = model.trainable_variables
 
     def forward_backward(x):
         with tf.GradientTape() as tape:
             outputs = model(x, training=True)
-            total = _output_sum(outputs)
+            total = output_sum(outputs)
         return tape.gradient(total, variables)
 
     concrete = tf.function(forward_backward, autograph=False).get_concrete_function(specs)

@@ -44,6 +44,15 @@ TIMELINE_CALLS_ENV = "TFDIST_TIMELINE_STEPS"
 # Environment of one `tfdist tune` trial: where the chief writes its rate, and how many calls it times.
 TUNE_TRIAL_ENV = "TFDIST_TUNE_TRIAL"
 TUNE_CALLS_ENV = "TFDIST_TUNE_STEPS"
+# Use TensorFlow's profiler in a task of a multi-process job too (see PROFILER_IN_JOBS).
+PROFILE_ALL_TASKS_ENV = "TFDIST_PROFILE_ALL_TASKS"
+PROFILER_IN_JOBS = (
+    "TensorFlow 2.21's profiler corrupts the heap of a task of a multi-process job: the task that is not "
+    "the first crashes when the profiler stops (SIGSEGV/SIGABRT in tsl::profiler::SplitEventTracker::"
+    "FindStartAndMerge, TraceMeRecorder::Consume; its collectives' activities start and end on different "
+    "threads) in about half of the 2-worker jobs measured, and the first one later (a SIGSEGV in "
+    "get_graph_debug_info when a collective timed out, 1 job in 2 with the profiler on, none in 6 without)"
+)
 
 DEFAULT_SKIP_CALLS = 2
 DEFAULT_PROFILE_CALLS = 5
@@ -81,7 +90,13 @@ def task_of_this_process() -> tuple[Optional[str], int, int]:
 
 
 def _loss_count_parts(model) -> list:
-    """This process's parts of the `loss` metric's count variable (one per local replica), or []."""
+    """This process's parts of the `loss` metric's count variable (one per local replica), or [].
+
+    Keras's `train_step` (and tfdist's) adds each batch's rows to it; a custom
+    `train_step` updates it as it likes (once per step, or not at all): [] then.
+    """
+    if kc.has_custom_train_step(model):
+        return []
     metrics = getattr(model, "metrics", None) or []
     loss = next((m for m in metrics if getattr(m, "name", None) == "loss" and hasattr(m, "count")), None)
     if loss is None:
@@ -172,6 +187,10 @@ class StepRecorder:
         self.task, self.worker_index, self.workers = task_of_this_process()
         self.timeline_dir = timeline_dir
         self.board = _ProgressBoard(timeline_dir, self.task or "worker:0") if timeline_dir else None
+        # TensorFlow's profiler is not safe in a task of a multi-process job (PROFILER_IN_JOBS):
+        # there the window's calls are split with timed ablations of the step (`tfdist.report.ablation`).
+        self.mode = "ablation" if self.workers > 1 and os.environ.get(PROFILE_ALL_TASKS_ENV) != "1" else "profiler"
+        self.ablation: Optional[dict] = None
         self.count_parts = None
         self._last_count = 0
         self._profiling: Optional[dict] = None  # {"logdir", "calls": [indices]}
@@ -196,7 +215,7 @@ class StepRecorder:
         return recorded
 
     def _wants_profile(self, index: int) -> bool:
-        if not self.profile_calls or self.profile_error:
+        if not self.profile_calls or self.profile_error or self.mode != "profiler":
             return False
         offset = index - self.skip_calls
         if offset < 0:
@@ -211,6 +230,11 @@ class StepRecorder:
             self.element_spec = getattr(iterator, "element_spec", None) or getattr(iterator, "spec", None)
         if self._profiling is None and self._wants_profile(index):
             self._start_profile()
+        # Every task at the same call (the exchange alone is a collective), one call before the window:
+        # the tasks leave the ablation together, and their steps' own pace resumes by the window.
+        at = self.skip_calls - 1 if self.skip_calls >= 2 else self.skip_calls
+        if self.mode == "ablation" and self.profile_calls and index == at and self.ablation is None:
+            self._measure_ablation()
         if self.board is not None:
             self.board.began(index)
         before = self._read_count()
@@ -237,8 +261,14 @@ class StepRecorder:
             if len(self._profiling["calls"]) > self.profile_calls:
                 self._profiling["calls"].pop()
                 self._stop_profile()
+        if self.mode == "ablation" and self.ablation and not self.windows \
+                and index >= self.skip_calls + self.profile_calls:
+            self._split_by_ablation()
         if self._pending and (self.timeline_dir or not self.profile_calls):
             self.analyse()
+        if self.timeline_dir and not self._timeline_written and not self._pending and self._profiling is None \
+                and index >= self.skip_calls + self.profile_calls:
+            self.write_timeline()  # a task that was not profiled: its host calls only
         return logs
 
     def _read_count(self) -> Optional[int]:
@@ -266,6 +296,52 @@ class StepRecorder:
     def local_replicas(self) -> int:
         """Replicas of this process (its parts of the metric variables; 1 without them)."""
         return max(len(self.count_parts or [None]), 1)
+
+    # -- timed ablations (tasks of a multi-process job) --------------------
+
+    def _measure_ablation(self) -> None:
+        from tfdist.report import ablation
+
+        began = time.perf_counter()
+        counted = [c.samples / c.steps for c in self.calls if c.samples]
+        if not counted:
+            self.profile_error = ("no step was split: the examples per step are unknown (Keras's loss metric "
+                                  "counts none; a custom train_step)")
+            return
+        per_replica = max(int(round(counted[-1] / self.local_replicas)), 1)
+        try:
+            self.ablation = ablation.measure(self.model, per_replica, self.element_spec,
+                                             in_strategy_scope=tf.distribute.has_strategy())
+        except Exception as error:  # a model the ablations cannot run apart from its step
+            self.profile_error = f"the step's timed ablations failed: {type(error).__name__}: {error}"[:400]
+        self.cost_s += time.perf_counter() - began
+
+    def _split_by_ablation(self) -> None:
+        """Each window call: forward-backward and update as timed alone, the rest of the call the exchange."""
+        by_index = {c.index: c for c in self.calls}
+        compute = self.ablation["compute"] or 0.0
+        update = self.ablation["update"] or 0.0
+        for i in range(self.skip_calls, self.skip_calls + self.profile_calls):
+            call, following = by_index.get(i), by_index.get(i + 1)
+            if call is None:
+                continue
+            end = following.start_ns if following is not None and following.epoch == call.epoch else call.end_ns
+            c_ns = int(compute * 1e9 * call.steps)
+            u_ns = int(update * 1e9 * call.steps)
+            in_call = call.end_ns - call.start_ns
+            c_ns, u_ns = min(c_ns, in_call), min(u_ns, max(in_call - c_ns, 0))
+            arrive, leave = call.start_ns + c_ns, call.end_ns - u_ns
+            runs = [(call.start_ns, arrive, "compute"), (arrive, leave, "exchange"), (leave, call.end_ns, "update"),
+                    (call.end_ns, end, "other")]
+            runs = [r for r in runs if r[1] > r[0]]
+            phases = dict.fromkeys(trace.PHASES, 0)
+            for start, stop, phase in runs:
+                phases[phase] += stop - start
+            self.windows.append({"call": i, "start_ns": call.start_ns, "end_ns": end, "phases": phases, "runs": runs})
+            # The step's exchange as one collective: this task arrives when its forward-backward is done.
+            self.collectives.append(("exchange (estimated)", arrive, leave, i))
+        if self.timeline_dir and not self._timeline_written:
+            self.write_timeline()
 
     # -- profiling ---------------------------------------------------------
 
@@ -340,6 +416,8 @@ class StepRecorder:
         self._stop_profile()
         if self._pending:
             self.analyse()
+        if self.mode == "ablation" and self.ablation and not self.windows:
+            self._split_by_ablation()
 
     def median_gap_ns(self) -> float:
         """The median time between one call's end and the next call's start within an epoch (Keras's host work)."""
@@ -357,15 +435,22 @@ class StepRecorder:
     # -- the timeline file -------------------------------------------------
 
     def write_timeline(self) -> str:
-        """Writes this task's steps, phases and collectives to the timeline directory; returns the path."""
+        """Writes this task's steps, phases and collectives to the timeline directory; returns the path.
+
+        The host calls of the timeline's window (`skip_calls` to `skip_calls + profile_calls`), and
+        where this task was profiled their phases and collectives.
+        """
         task = self.task or "worker:0"
-        windows = {w["call"] for w in self.windows}
+        window = range(self.skip_calls, self.skip_calls + self.profile_calls)
         payload = {
             "task": task,
             "worker_index": self.worker_index,
             "pid": os.getpid(),
             "clock": "time.time_ns",
-            "calls": [[c.index, c.start_ns, c.end_ns, c.steps] for c in self.calls if c.index in windows],
+            "profiled": bool(self.windows) and self.mode == "profiler",
+            "split": self.mode,
+            "not_profiled_because": None if self.windows else self.profile_error,
+            "calls": [[c.index, c.start_ns, c.end_ns, c.steps] for c in self.calls if c.index in window],
             "runs": [[w["call"], s, e, p] for w in self.windows for s, e, p in w["runs"]],
             "collectives": [list(c) for c in self.collectives],
         }
@@ -392,9 +477,11 @@ def _trial_wrapper(recorder: StepRecorder, function: Callable, path: str, calls:
             replicas = recorder.model.distribute_strategy.num_replicas_in_sync
             local_replicas = recorder.local_replicas
             steps = sum(c.steps for c in timed)
+            options = getattr(recorder.model.distribute_strategy, "options", None)
             if recorder.worker_index == 0:
                 with open(path, "w") as f:
                     json.dump({
+                        "options": options.as_dict() if hasattr(options, "as_dict") else None,
                         "samples_per_s": None if local is None else local * replicas / local_replicas / seconds,
                         "steps_per_s": steps / seconds, "steps": steps, "seconds": seconds,
                     }, f)

@@ -94,6 +94,9 @@ def summarize(recorder: StepRecorder, calls=None, batch_size: Optional[int] = No
         return {**result, "samples_per_s": None, "step_s": None, "phases_s": None, "note": "no step was run"}
     median = statistics.median(steps)
     result["step_s"] = {"median": median, "p90": _percentile(steps, 0.9), "mean": statistics.fmean(steps)}
+    # Measured on every task, profiled or not: the host's time between one call's end and the next's start.
+    result["between_calls_s"] = statistics.median(
+        s - (c.end_ns - c.start_ns) / 1e9 / c.steps for s, c in per_step)
 
     # Examples: this process's replicas' rows per step (Keras's loss metric), scaled to the job's replicas.
     counted = [c.samples / c.steps for c in measured if c.samples is not None]
@@ -124,9 +127,19 @@ def summarize(recorder: StepRecorder, calls=None, batch_size: Optional[int] = No
         result["phase_fractions"] = fractions
         result["profiled_steps"] = profiled_steps
         result["profiled_step_s"] = span / 1e9 / profiled_steps
-        result["phases_method"] = ("TensorFlow profiler trace of the profiled steps, each instant given to compute, "
-                                   "update, exchange, input (first active), else other; fractions applied to the "
-                                   "median unprofiled step")
+        if recorder.mode == "profiler":
+            result["phases_method"] = ("TensorFlow profiler trace of the profiled steps, each instant given to "
+                                       "compute, update, exchange, input (first active), else other; fractions "
+                                       "applied to the median unprofiled step")
+        else:
+            ablation = recorder.ablation or {}
+            result["phases_method"] = (
+                "timed ablations (a task of a multi-process job, where TensorFlow's profiler is not safe): compute "
+                "and update as timed alone, the rest of each host call exchange (waiting for peers, and any input "
+                "wait, included), the time between calls other")
+            result["ablation_s"] = {k: ablation.get(k) for k in ("compute", "update", "exchange_alone")}
+            if ablation.get("exchange_alone") is not None:
+                result["exchange_wait_s"] = max(result["phases_s"]["exchange"] - ablation["exchange_alone"], 0.0)
     else:
         result["phases_s"] = None
         result["phases_method"] = recorder.profile_error or "no step was profiled (too few steps)"
@@ -200,6 +213,9 @@ def format_table(result: dict, title: str = "Step report") -> str:
         lines.append(f"    (profiled {result['profiled_steps']} steps at {1e3 * result['profiled_step_s']:.2f} ms)")
     else:
         lines.append(f"    phases: {result.get('phases_method')}")
+    if step:
+        lines.append(f"  between calls  {1e3 * result['between_calls_s']:>9.2f} ms   per step (Python, Keras callbacks: "
+                     "measured on every task)")
     if result.get("flops_per_step"):
         lines.append(f"  FLOPs/step     {_si(result['flops_per_step'], 'FLOP'):>12}   (all replicas)")
         lines.append(f"  MFU            {100 * result['mfu']:>11.1f}%   of {result['peak']}")

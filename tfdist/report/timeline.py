@@ -15,12 +15,25 @@ https://ui.perfetto.dev):
   worker is the one without a wait), then the collective itself until it
   ended here; its arguments name the last task to arrive and by how much.
 
+Where the tasks were split by TensorFlow's profiler (`TFDIST_PROFILE_ALL_TASKS=1`)
+each collective op is in the trace as recorded. By default a multi-process
+job is not profiled (TensorFlow 2.21's profiler corrupts its tasks' heap:
+`tfdist.report.recorder.PROFILER_IN_JOBS`) and each task's step is split by
+timed ablations (`tfdist.report.ablation`): the step's exchange appears as one
+collective per host call that the task reaches when its forward-backward pass
+(timed alone) is done, marked `"arrival": "estimated ..."`, and that ends when
+its update (timed alone) begins. The host calls themselves are measured on
+every task. A straggler that starts its calls late (Python between steps)
+or computes slower is then named; one slowed inside the step by its input
+is not told apart from the exchange.
+
 Clocks: each task records `time.time_ns()` on its own host. The end of a
 collective is nearly simultaneous on every task (each finishes when the last
 piece of the sum reaches it: one message apart), so each task's offset to the
 first is the median, over every collective both recorded, of the difference
-of their end times, and every event is shifted by it. The offsets are
-written in the trace (`otherData.clock_offsets_ms`).
+of their end times (of their host calls' end times where a task was split by
+ablations, not profiled), and every event is shifted by it. The offsets are written in the
+trace (`otherData.clock_offsets_ms`).
 
 This module imports no TensorFlow: the launcher runs it.
 """
@@ -62,16 +75,46 @@ def _instances(task: dict) -> dict[tuple[int, int], tuple[str, int, int]]:
 
 
 def clock_offsets(tasks: list[dict]) -> dict[str, float]:
-    """Each task's clock minus the first task's, in ns: the median difference of their collectives' ends."""
+    """Each task's clock minus the first task's, in ns.
+
+    The median difference of the end times of the collectives both recorded
+    (profiled); where one of them was not profiled, of their host calls' end
+    times (a call ends a little after its last collective, alike on every
+    task: the update and the metrics' read).
+    """
     if not tasks:
         return {}
-    reference = _instances(tasks[0])
+
+    def recorded(task):  # collectives recorded by the profiler, not estimated by ablations
+        return _instances(task) if task.get("split", "profiler") == "profiler" else {}
+
+    reference = recorded(tasks[0])
+    reference_calls = {c[0]: c for c in tasks[0]["calls"]}
     offsets = {tasks[0]["task"]: 0.0}
     for task in tasks[1:]:
-        mine = _instances(task)
+        mine = recorded(task)
         diffs = [mine[key][2] - reference[key][2] for key in mine.keys() & reference.keys()]
+        if not diffs:
+            diffs = [c[2] - reference_calls[c[0]][2] for c in task["calls"] if c[0] in reference_calls]
         offsets[task["task"]] = float(statistics.median(diffs)) if diffs else 0.0
     return offsets
+
+
+def _estimated_instances(task: dict, profiled: dict, offsets: dict) -> dict[tuple[int, int], tuple[str, int, int]]:
+    """Collectives of a task that was not profiled, from a profiled task's: same op, same time into the call.
+
+    Every task runs the same program, so the k-th collective of call i is
+    reached the same time after the call's start (its arrival estimated
+    from its own call start), and ends when the profiled task's does.
+    """
+    starts = {c[0]: c[1] for c in task["calls"]}
+    profiled_starts = {c[0]: c[1] for c in profiled["calls"]}
+    shift = offsets[task["task"]] - offsets[profiled["task"]]
+    out = {}
+    for (call, k), (op, arrival, end) in _instances(profiled).items():
+        if call in starts and call in profiled_starts:
+            out[(call, k)] = (op, starts[call] + (arrival - profiled_starts[call]), end + shift)
+    return out
 
 
 def merge(directory: str, path: str) -> dict:
@@ -118,7 +161,10 @@ def merge(directory: str, path: str) -> dict:
             events.append({"ph": "X", "pid": pid, "tid": _TRACKS["phases"], "name": phase, "cat": "phase",
                            "ts": us(start, task), "dur": (end - start) / 1000.0, "args": {"call": call}})
     # Collectives: every task's arrival, aligned, so each shows how long it waited for the last.
-    instances = [_instances(t) for t in tasks]
+    profiled = next((t for t in tasks if t["collectives"]), None)
+    instances = [_instances(t) if t["collectives"] or profiled is None else _estimated_instances(t, profiled, offsets)
+                 for t in tasks]
+    estimated = {t["task"] for t in tasks if t.get("split") == "ablation" or (not t["collectives"] and profiled)}
     keys = sorted(set().union(*[i.keys() for i in instances]))
     for key in keys:
         arrivals = {t["task"]: inst[key][1] - offsets[t["task"]] for t, inst in zip(tasks, instances) if key in inst}
@@ -131,7 +177,11 @@ def merge(directory: str, path: str) -> dict:
             op, start, end = inst[key]
             pid, arrived = task["worker_index"], start - offsets[task["task"]]
             args = {"call": key[0], "collective": key[1], "last_to_arrive": last_task,
-                    "arrival_spread_ms": (last - first) / 1e6, "arrived_after_first_ms": (arrived - first) / 1e6}
+                    "arrival_spread_ms": (last - first) / 1e6, "arrived_after_first_ms": (arrived - first) / 1e6,
+                    "arrival": ("estimated: the host call's start plus the forward-backward pass timed alone"
+                                if task.get("split") == "ablation" else
+                                "estimated: the host call's start plus the profiled task's time to this collective"
+                                if task["task"] in estimated else "recorded")}
             if last > arrived:
                 events.append({"ph": "X", "pid": pid, "tid": _TRACKS["collectives"], "name": "wait for peers",
                                "cat": "collective", "ts": us(start, task), "dur": (last - arrived) / 1000.0,
@@ -146,7 +196,9 @@ def merge(directory: str, path: str) -> dict:
             "source": "tfdist launch --timeline",
             "tasks": [t["task"] for t in tasks],
             "clock_offsets_ms": {task: offset / 1e6 for task, offset in offsets.items()},
-            "clock_alignment": "median difference of the collectives' end times, against the first task",
+            "clock_alignment": ("median difference of the collectives' end times (of the host calls' end "
+                                "times for a task not profiled), against the first task"),
+            "not_profiled": {t["task"]: t.get("not_profiled_because") for t in tasks if not t.get("profiled", True)},
         },
     }
     directory_out = os.path.dirname(os.path.abspath(path))
