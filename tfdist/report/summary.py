@@ -210,7 +210,14 @@ def format_table(result: dict, title: str = "Step report") -> str:
         for p in PHASES:
             share = phases[p] / step["median"] if step and step["median"] else 0.0
             lines.append(f"    {p:<12} {1e3 * phases[p]:>9.2f} ms   {100 * share:5.1f}%")
-        lines.append(f"    (profiled {result['profiled_steps']} steps at {1e3 * result['profiled_step_s']:.2f} ms)")
+        how = ("profiled" if str(result.get("phases_method", "")).startswith("TensorFlow profiler")
+               else "split by timed ablations:")
+        lines.append(f"    ({how} {result['profiled_steps']} steps at {1e3 * result['profiled_step_s']:.2f} ms)")
+        if result.get("ablation_s"):
+            alone = result["ablation_s"]
+            shown = ", ".join(f"{k.replace('_', ' ')} {1e3 * v:.2f} ms" for k, v in alone.items() if v is not None)
+            lines.append(f"    (timed alone: {shown}; the exchange's wait for peers "
+                         f"{1e3 * (result.get('exchange_wait_s') or 0.0):.2f} ms)")
     else:
         lines.append(f"    phases: {result.get('phases_method')}")
     if step:
