@@ -86,3 +86,13 @@ def test_tune_names_a_bad_argument(kwargs, message):
     with pytest.raises(ValueError) as e:
         tfdist.tune(digits_mlp, None, **kwargs)
     assert str(e.value).startswith(message)
+
+
+def test_tune_help_loads_no_tensorflow():
+    # `tfdist tune --help` (and the launcher beside it) start at once: TensorFlow is loaded by the trials.
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom tfdist import cli\ntry:\n    cli.main(['tune', '--help'])\n"
+         "except SystemExit:\n    pass\nprint('tensorflow' in sys.modules)"],
+        env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines()[-1] == "False"
+    assert "usage: tfdist tune [--preset FILE | --strategy NAME] [--workers N]" in done.stdout

@@ -93,15 +93,15 @@ SUBCOMMANDS["launch"] = (
 
 
 def _tune_arguments(p: argparse.ArgumentParser) -> None:
-    from tfdist import tuning
+    import tfdist.tuning  # not `from tfdist import tuning`: that asks tfdist for the name, which loads TensorFlow
 
-    tuning.add_arguments(p)
+    tfdist.tuning.add_arguments(p)
 
 
 def _tune_run(args: argparse.Namespace) -> int:
-    from tfdist import tuning
+    import tfdist.tuning
 
-    return tuning.main(args)
+    return tfdist.tuning.main(args)
 
 
 SUBCOMMANDS["tune"] = (
