@@ -8,8 +8,11 @@ step, or `steps_per_execution` steps). The recorder wraps that function:
   Keras's `loss` metric's count, which every train step adds its batch's rows
   to; read from this process's replicas only, so no collective runs);
 * a window of calls (`profile_calls`, after `skip_calls` that trace and warm
-  up, and again at the start of each `period_calls`): recorded by TensorFlow's
-  profiler and split into phases (`tfdist.report.trace`);
+  up, and again at the start of each `period_calls`) split into phases: in
+  one process by TensorFlow's profiler (`tfdist.report.trace`); in a task of
+  a multi-process job, where that profiler corrupts the heap
+  (`PROFILER_IN_JOBS`), by timed ablations of the step measured once by every
+  task one call before the window (`tfdist.report.ablation`);
 * with a timeline directory (`tfdist launch --timeline`): this task's trace
   file, and a progress record (the last call begun) that names the workers
   which had not arrived when a collective times out.
@@ -152,7 +155,7 @@ def late_workers_message(call: int, peers: dict[str, tuple[int, int]], now_ns: i
 
 
 class StepRecorder:
-    """Records the host calls of one model's train function (see the module's doc).
+    """A wrapper of one model's train function that times each host call and splits a window of them into phases.
 
     Args:
         model: the Keras model whose `train_function` is wrapped.
@@ -162,6 +165,9 @@ class StepRecorder:
         period_calls: Optional int. Profile a window again every this many calls.
         timeline_dir: Optional str. Where this task writes its timeline and
             progress record (`tfdist launch --timeline`).
+
+    `mode` is "profiler" in one process, "ablation" in a task of a job of
+    several (`TFDIST_PROFILE_ALL_TASKS=1`: "profiler" there too).
 
     Example:
 
