@@ -11,6 +11,14 @@ second of the whole job, and
 
     scaling efficiency = samples/s with 2 workers / (2 * samples/s with 1 worker).
 
+Beside each row, where the chief's step goes: a `tfdist.callbacks.StepReport`
+runs in every job (its warm-up and window in the first, untimed epoch; the
+1-worker job split by TensorFlow's profiler, the 2-worker job by timed
+ablations of the step: docs/performance.md), and the table gives its input,
+compute, exchange, update and other per step, the exchange's wait for the
+peer (exchange less the exchange timed alone) and the model FLOPs
+utilisation.
+
 Prints a table and writes benchmarks/results/multi_worker.json. Never asserts:
 timing depends on the machine and on what else runs on it.
 """
@@ -38,6 +46,7 @@ def worker(args) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
     import tfdist
+    from tfdist.callbacks import StepReport
     from tfdist.timing import EpochTimer
 
     strategy = tfdist.get_strategy("multi_worker")
@@ -48,9 +57,10 @@ def worker(args) -> None:
     with strategy.scope():
         model = common.digits_mlp(args.steps_per_execution)
     timer = EpochTimer()
-
-    model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, verbose=0, callbacks=[timer])
+    report = StepReport(verbose=0)
+    model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, verbose=0, callbacks=[timer, report])
     steady = timer.steady_times()
+    result = report.result
     if strategy.is_chief:
         with open(args.out, "w") as f:
             json.dump(
@@ -61,6 +71,11 @@ def worker(args) -> None:
                     "steps_per_epoch": steps,
                     "samples_per_s": steps * global_batch * len(steady) / sum(steady),
                     "step_ms": 1000 * sum(steady) / (len(steady) * steps),
+                    "phases_ms": {k: 1000 * v for k, v in (result["phases_s"] or {}).items()},
+                    "phases_method": result["phases_method"],
+                    "exchange_wait_ms": None if result.get("exchange_wait_s") is None
+                    else 1000 * result["exchange_wait_s"],
+                    "mfu": result["mfu"],
                 },
                 f,
             )
@@ -97,13 +112,20 @@ def main() -> None:
 
     rows = [run(1, args), run(2, args)]
     efficiency = rows[1]["samples_per_s"] / (2 * rows[0]["samples_per_s"])
-    header = f"{'workers':>7} {'replicas':>8} {'global batch':>12} {'step ms':>8} {'samples/s':>10} {'speed-up':>8}"
+    phases = ("input", "compute", "exchange", "update", "other")
+    header = (f"{'workers':>7} {'replicas':>8} {'global batch':>12} {'step ms':>8} {'samples/s':>10} {'speed-up':>8}  "
+              + " ".join(f"{p:>8}" for p in phases) + f" {'(wait)':>7} {'MFU':>6}")
     print(header)
     print("-" * len(header))
     for r in rows:
         speed_up = r["samples_per_s"] / rows[0]["samples_per_s"]
+        cells = " ".join(f"{r['phases_ms'][p]:>8.2f}" if p in r["phases_ms"] else f"{'-':>8}" for p in phases)
+        wait = f"{r['exchange_wait_ms']:>7.2f}" if r["exchange_wait_ms"] is not None else f"{'-':>7}"
+        mfu = f"{100 * r['mfu']:>5.1f}%" if r["mfu"] else f"{'-':>6}"
         print(f"{r['workers']:>7} {r['replicas']:>8} {r['global_batch']:>12} {r['step_ms']:>8.1f} "
-              f"{r['samples_per_s']:>10.0f} {speed_up:>8.2f}")
+              f"{r['samples_per_s']:>10.0f} {speed_up:>8.2f}  {cells} {wait} {mfu}")
+    print("phases: ms of the chief's median step (tfdist.callbacks.StepReport; 1 worker: profiler, 2 workers: timed "
+          "ablations, input counted in exchange); (wait) = exchange less the exchange timed alone")
     print(f"scaling efficiency (2 workers): {efficiency:.2f}")
     common.write_results(
         "multi_worker",

@@ -44,6 +44,13 @@ computes and exchanges, `step / (step + exchange CPU)`, with `step` the
 1-worker tfdist job's step time, bounds the efficiency that exchange allows
 even if it overlapped backprop perfectly.
 
+Beside the ratios, where each step's time goes (a table after the main one):
+tfdist's jobs carry a `tfdist.callbacks.StepReport` (its window in the
+untimed first epoch; split by TensorFlow's profiler in a 1-worker job and by
+timed ablations across workers, docs/performance.md), DDP's loop times its
+forward-backward (the all-reduce runs inside `backward()`) and its
+optimizer step.
+
 Throughput is samples/s of the whole job, and
 
     efficiency = samples/s with 2 workers / (2 * samples/s with 1 worker).
@@ -70,6 +77,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,6 +138,7 @@ def tf_worker(args) -> None:
     """One process of a tfdist job (TF_CONFIG is set by the launcher)."""
     index, workers, tf = tf_process()
     import tfdist
+    from tfdist.callbacks import StepReport
     from tfdist.timing import EpochTimer
 
     kwargs = {"stage": args.stage} if args.strategy == "sharded_optimizer" else {}
@@ -149,15 +158,33 @@ def tf_worker(args) -> None:
     # sink_size K it runs `--steps` rounded up to a multiple of K, and the rate
     # counts the steps it ran (counting `--steps` understated sink 32's by 20/32).
     steps = math.ceil(args.steps / args.sink_size) * args.sink_size if args.sink_size else args.steps
-    model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, verbose=0, callbacks=[timer])
+    # The step report records the first epoch (untimed): warm-up, then its window (profiled on one
+    # worker, split by timed ablations across workers); the timed epochs pay only its per-call read.
+    report = StepReport(verbose=0)
+    model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, verbose=0, callbacks=[timer, report])
     steady = timer.steady_times()
     if index == 0:  # the chief (no `chief` task in these jobs)
         with open(args.out, "w") as f:
-            json.dump({"samples_per_s": steps * global_batch * len(steady) / sum(steady), "steps_per_epoch": steps}, f)
+            json.dump({"samples_per_s": steps * global_batch * len(steady) / sum(steady), "steps_per_epoch": steps,
+                       "report": breakdown_of(report.result)}, f)
+
+
+PHASES = ("input", "compute", "exchange", "update", "other")
+
+
+def breakdown_of(result: dict) -> dict:
+    """The step report's figures a row of the breakdown table shows (`tfdist.callbacks.StepReport.result`)."""
+    return {"step_s": result["step_s"]["median"], "phases_s": result["phases_s"],
+            "method": "profiler" if str(result.get("phases_method", "")).startswith("TensorFlow profiler")
+            else "ablations", "ablation_s": result.get("ablation_s"), "exchange_wait_s": result.get("exchange_wait_s"),
+            "flops_per_step": result.get("flops_per_step"), "mfu": result.get("mfu")}
+
+
+BREAKDOWNS: dict = {}  # (framework, model, workers) -> breakdown of one run (the last)
 
 
 def run_tfdist(strategy: str, model: str, workers: int, args, stage: int = 1, env: dict | None = None,
-               flat: bool = False, sink: int = 0) -> float:
+               flat: bool = False, sink: int = 0, label: str = "") -> float:
     from tfdist.launch import run_job
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,7 +199,10 @@ def run_tfdist(strategy: str, model: str, workers: int, args, stage: int = 1, en
             print(f"  {strategy} {model} {workers} worker(s): job failed with status {status}", flush=True)
             return float("nan")
         with open(out) as f:
-            return json.load(f)["samples_per_s"]
+            result = json.load(f)
+        if label:
+            BREAKDOWNS[(label, model, workers)] = result["report"]
+        return result["samples_per_s"]
 
 
 def torch_process() -> tuple:
@@ -341,6 +371,45 @@ def print_exchanges(exchanges: dict, rows: list, args) -> list:
     return table
 
 
+def print_breakdowns(args) -> list:
+    """Where a step's time goes, tfdist's 1- and 2-worker steps (the step report) beside DDP's (timed segments)."""
+    table = []
+    print()
+    print("Where the step's time goes (ms per step, on the chief; tfdist: tfdist.callbacks.StepReport, split by the")
+    print("profiler in a 1-worker job and by timed ablations across workers; DDP: its loop's timed segments)")
+    header = (f"{'model':<22} {'framework':<22} {'workers':>7} {'step':>7} {'input':>6} {'compute':>8} "
+              f"{'exchange':>8} {'(wait)':>7} {'update':>7} {'other':>6} {'MFU':>6}")
+    print(header)
+    print("-" * len(header))
+    for (framework, model, workers), b in sorted(BREAKDOWNS.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
+        name = MODEL_NAMES[model]
+        if "segments_s" in b:  # DDP: forward+backward (its all-reduce beside it) and the optimizer's step
+            seg = b["segments_s"]
+            row = {"model": name, "framework": framework, "workers": workers, "step_ms": 1e3 * b["step_s"],
+                   "compute_and_exchange_ms": 1e3 * seg["compute_and_exchange"], "update_ms": 1e3 * seg["update"],
+                   "other_ms": 1e3 * (b["step_s"] - seg["step"])}
+            print(f"{name:<22} {framework:<22} {workers:>7} {row['step_ms']:>7.2f} {'-':>6} "
+                  f"{'fwd+bwd+allreduce ' + format(row['compute_and_exchange_ms'], '.2f'):>26} {row['update_ms']:>7.2f} "
+                  f"{row['other_ms']:>6.2f} {'-':>6}")
+        else:
+            phases = b["phases_s"] or {}
+            wait = b.get("exchange_wait_s")
+            row = {"model": name, "framework": framework, "workers": workers, "step_ms": 1e3 * b["step_s"],
+                   "method": b["method"], **{f"{p}_ms": 1e3 * phases[p] for p in PHASES if p in phases},
+                   "exchange_wait_ms": None if wait is None else 1e3 * wait, "mfu": b.get("mfu")}
+            cells = " ".join(f"{1e3 * phases[p]:>{w}.2f}" if p in phases else f"{'-':>{w}}"
+                             for p, w in (("input", 6), ("compute", 8), ("exchange", 8)))
+            wait_cell = f"{1e3 * wait:>7.2f}" if wait is not None else f"{'-':>7}"
+            rest = " ".join(f"{1e3 * phases[p]:>{w}.2f}" if p in phases else f"{'-':>{w}}"
+                            for p, w in (("update", 7), ("other", 6)))
+            mfu = f"{100 * b['mfu']:>5.1f}%" if b.get("mfu") else f"{'-':>6}"
+            print(f"{name:<22} {framework:<22} {workers:>7} {row['step_ms']:>7.2f} {cells} {wait_cell} {rest} {mfu}")
+        table.append(row)
+    print("tfdist 2 workers: input is not told apart from exchange (ablations); (wait) = exchange less the exchange")
+    print("timed alone. DDP: fwd+bwd+allreduce overlap inside loss.backward(); other = the loop between steps")
+    return table
+
+
 # --- PyTorch DDP -----------------------------------------------------------
 def torch_model(name: str):
     import torch.nn as nn
@@ -373,23 +442,35 @@ def ddp_worker(args) -> None:
         batches = [(x[i:i + args.per_worker_batch], y[i:i + args.per_worker_batch])
                    for i in range(0, SAMPLES - args.per_worker_batch + 1, args.per_worker_batch)]
 
-        def run(steps: int) -> None:
+        segments = {"compute_and_exchange": [], "update": [], "step": []}
+
+        def run(steps: int, timed: bool = False) -> None:
             for s in range(steps):
+                began = time.perf_counter()
                 xb, yb = batches[s % len(batches)]
                 optimizer.zero_grad(set_to_none=True)
-                loss_fn(model(xb), yb).backward()
+                loss_fn(model(xb), yb).backward()  # DDP's bucketed all-reduce runs inside, beside backprop
+                backward = time.perf_counter()
                 optimizer.step()
+                if timed:
+                    ended = time.perf_counter()
+                    segments["compute_and_exchange"].append(backward - began)
+                    segments["update"].append(ended - backward)
+                    segments["step"].append(ended - began)
 
         run(args.steps)  # the untimed first epoch, as tfdist's
         dist.barrier()
         start = time.perf_counter()
-        run(args.steps * (args.epochs - 1))
+        run(args.steps * (args.epochs - 1), timed=True)
         dist.barrier()
         elapsed = time.perf_counter() - start
         if rank == 0:
+            # Means, so that the loop's time between steps is the mean step less the segments' sum.
+            median = {k: statistics.fmean(v) for k, v in segments.items()}
             with open(args.out, "w") as f:
                 json.dump({"samples_per_s": args.steps * (args.epochs - 1) * args.per_worker_batch * world
-                           / elapsed}, f)
+                           / elapsed, "segments_s": median,
+                           "step_s": elapsed / (args.steps * (args.epochs - 1))}, f)
     finally:
         dist.destroy_process_group()
 
@@ -437,7 +518,10 @@ def run_ddp(model: str, workers: int, args) -> float:
             print(f"  ddp {model} {workers} worker(s): exit statuses {codes} after the result was written "
                   "(teardown); the result is kept", flush=True)
         with open(out) as f:
-            return json.load(f)["samples_per_s"]
+            result = json.load(f)
+        BREAKDOWNS[("PyTorch DDP (gloo)", model, workers)] = {"step_s": result["step_s"],
+                                                             "segments_s": result["segments_s"]}
+        return result["samples_per_s"]
 
 
 # --- the host's ceiling ----------------------------------------------------
@@ -533,7 +617,8 @@ def main() -> None:
     print(f"host ceiling: two single-thread matmul processes run {ceiling['speed_up']:.2f}x one alone "
           f"-> efficiency ceiling {ceiling['efficiency_ceiling']:.2f}", flush=True)
 
-    frameworks = [("tfdist multi_worker", lambda m, w: run_tfdist("multi_worker", m, w, args))]
+    frameworks = [("tfdist multi_worker", lambda m, w: run_tfdist("multi_worker", m, w, args,
+                                                                  label="tfdist multi_worker"))]
     if have_torch:
         frameworks.append(("PyTorch DDP (gloo)", lambda m, w: run_ddp(m, w, args)))
     if not args.no_compressed:
@@ -605,13 +690,14 @@ def main() -> None:
           f"before, {ceiling_after['efficiency_ceiling']:.2f} after (mean {reference:.2f}); "
           f"1-min load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print("samples/s of the whole job; efficiency = 2-worker / (2 x 1-worker); of ceiling = efficiency / host ceiling")
+    breakdown_rows = print_breakdowns(args)
     exchange_rows = print_exchanges(exchanges, rows, args) if exchanges else []
     common.write_results("vs_ddp", {
         "epochs": args.epochs, "steps_per_epoch": args.steps, "per_worker_batch": args.per_worker_batch,
         "quick": args.quick, "torch": torch_version(), "ceiling": ceiling,
         "ceiling_after": ceiling_after, "ceiling_mean": reference,
         "load_average_before": load_before, "load_average_after": load_after, "rows": rows,
-        "exchange_repeats": EXCHANGE_REPEATS, "exchanges": exchange_rows,
+        "exchange_repeats": EXCHANGE_REPEATS, "exchanges": exchange_rows, "breakdowns": breakdown_rows,
     })
 
 

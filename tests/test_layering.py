@@ -28,7 +28,8 @@ LAYERS = {
     "tfdist.strategies": 4,
     "tfdist.precision": 5, "tfdist.memory": 5, "tfdist.keras_integration": 5, "tfdist.checkpointing": 5,
     "tfdist.estimator": 5,
-    "tfdist.registry": 5, "tfdist.launch": 5, "tfdist.demo": 6, "tfdist.cli": 6, "tfdist": 7,
+    "tfdist.registry": 5, "tfdist.launch": 5, "tfdist.report": 5, "tfdist.callbacks": 5,
+    "tfdist.demo": 6, "tfdist.tuning": 6, "tfdist.cli": 6, "tfdist": 7,
 }
 
 PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tf_keras.src")
@@ -38,6 +39,7 @@ OWN_PRIVATE = {
     ("tfdist.estimator.estimator", "_call_model_fn"),  # Estimator's, as in TF1's Estimator
     ("tfdist.options", "_values"),  # TrainingOptions.__eq__
     ("tfdist.strategies.parameter_server", "_exit"),  # os._exit: a documented os function
+    ("tfdist.report.recorder", "_exit"),  # os._exit: a tune trial ends its process
 }
 
 

@@ -18,8 +18,8 @@ model.fit(x, y, batch_size=64, epochs=3)
 at once. The first use of any other name of the package (`tfdist.get_strategy`,
 `tfdist.strategies`, `from tfdist import data`, ...) loads it whole and
 installs tfdist's Keras hooks, before the strategy that needs them exists.
-`tfdist.cli`, `tfdist.launch`, `tfdist.cluster` and `tfdist.options` load
-alone, without TensorFlow. With `TFDIST_LOCAL_DEVICES` set, `import tfdist`
+`tfdist.cli`, `tfdist.launch`, `tfdist.cluster`, `tfdist.options` and
+`tfdist.tuning` load alone, without TensorFlow. With `TFDIST_LOCAL_DEVICES` set, `import tfdist`
 loads everything at once, as the devices must be split before TensorFlow
 initialises them.
 """
@@ -32,7 +32,7 @@ import os as _os
 __version__ = "0.1.0"
 
 # Modules that import no TensorFlow: reached without loading the package.
-_LIGHT_MODULES = ("cli", "launch", "cluster", "options")
+_LIGHT_MODULES = ("cli", "launch", "cluster", "options", "tuning")
 
 # Every public name, and the module that defines it.
 _PUBLIC = {
@@ -46,6 +46,7 @@ _PUBLIC = {
     "memory_report": "tfdist.memory",
     "register": "tfdist.registry",
     "strategy_names": "tfdist.registry",
+    "tune": "tfdist.tuning",
 }
 
 _loaded = False
@@ -118,6 +119,7 @@ if _os.environ.get("TFDIST_LOCAL_DEVICES"):
 
 __all__ = [
     "ClusterConfigError",
+    "callbacks",
     "OptionError",
     "PresetError",
     "TrainingOptions",
@@ -132,6 +134,8 @@ __all__ = [
     "memory_report",
     "options",
     "register",
+    "report",
     "strategies",
     "strategy_names",
+    "tune",
 ]

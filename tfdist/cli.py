@@ -92,6 +92,27 @@ SUBCOMMANDS["launch"] = (
 )
 
 
+def _tune_arguments(p: argparse.ArgumentParser) -> None:
+    import tfdist.tuning  # not `from tfdist import tuning`: that asks tfdist for the name, which loads TensorFlow
+
+    tfdist.tuning.add_arguments(p)
+
+
+def _tune_run(args: argparse.Namespace) -> int:
+    import tfdist.tuning
+
+    return tfdist.tuning.main(args)
+
+
+SUBCOMMANDS["tune"] = (
+    _tune_arguments,
+    _tune_run,
+    "try bucket_bytes, sink_size, hierarchical (allreduce_dtype) on your script; print samples/s; --apply writes a preset",
+)
+# Subcommands that run a command given after `--` (its flags are its own).
+_RUNS_A_COMMAND = ("launch", "tune")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="tfdist", description="Distribution strategies for Keras 3 and TensorFlow.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -103,22 +124,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     # `tfdist launch [flags] -- command`: the flags are parsed strictly, the
     # command after `--` not at all (it has flags of its own).
     command = None
-    if argv[:1] == ["launch"] and "--" in argv:
+    if argv[:1] and argv[0] in _RUNS_A_COMMAND and "--" in argv:
         split = argv.index("--")
         argv, command = argv[:split], argv[split + 1:]
     args, rest = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command != "launch":
+    if args.command not in _RUNS_A_COMMAND:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
     elif command is not None:
         if rest:
-            parsers["launch"].error(f"unrecognized arguments: {' '.join(rest)}")
+            parsers[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
         rest = command
     elif rest and rest[0].startswith("-"):
-        parsers["launch"].error(
+        parsers[args.command].error(
             f"unrecognized arguments: {' '.join(rest)}. Put the command after --, e.g. "
             "tfdist launch --workers 2 -- python train.py"
         )

@@ -132,6 +132,11 @@ def _patched_make(original, kind: str):
 
         builder = loop.make_train_function if kind == "train" else loop.make_test_function
         setattr(self, attr, builder(self))
+        if kind == "train":
+            # `tfdist launch --timeline` and `tfdist tune` trials record the steps (environment; else unchanged).
+            from tfdist.report.recorder import from_environment
+
+            setattr(self, attr, from_environment(self, getattr(self, attr)))
         return getattr(self, attr)
 
     return make

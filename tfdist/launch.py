@@ -844,10 +844,13 @@ def add_arguments(p) -> None:
                    help="replicas per worker: each task splits its CPU into K logical devices (sets "
                         "TFDIST_LOCAL_DEVICES, unless set or GPUs are visible) and its multi_worker strategy "
                         "trains on K of them (sets TFDIST_DEVICES_PER_WORKER)")
+    p.add_argument("--timeline", default=None, metavar="FILE",
+                   help="record each worker's steps, phases and collectives and merge them into one Chrome trace "
+                        "(docs/performance.md)")
     p.usage = (
         "tfdist launch --workers N [--chief] [--ps M] [--evaluator] [--restarts K] [--timeout S] "
         "[--startup-timeout S] [--all-progress] [--tf-logs] [--private-network] [--devices-per-worker K] "
-        "-- python train.py ARGS"
+        "[--timeline FILE] -- python train.py ARGS"
     )
     p.epilog = "Signals, restarts and network exposure: docs/operations.md"
 
@@ -879,6 +882,15 @@ def main(args) -> int:
             _check_arguments(command, args.workers, args.chief, args.ps, args.evaluator, args.restarts,
                              args.timeout)
             return _enter_private_network(args, command)
+        timeline = getattr(args, "timeline", None)
+        if timeline:  # each task records, the launcher merges (tfdist.report.timeline)
+            from tfdist.report.timeline import recording
+
+            with recording(timeline, env) as env:
+                return run_job(command, args.workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator,
+                               restarts=args.restarts, timeout=args.timeout, env=env,
+                               all_progress=getattr(args, "all_progress", False),
+                               tf_logs=getattr(args, "tf_logs", False))
         return run_job(command, args.workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator,
                        restarts=args.restarts, timeout=args.timeout, env=env,
                        all_progress=getattr(args, "all_progress", False), tf_logs=getattr(args, "tf_logs", False))

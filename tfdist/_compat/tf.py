@@ -618,3 +618,33 @@ def all_gather_equal_shapes(value):
         return values_lib.PerReplica([launcher._all_gather(part, None) for launcher, part in zip(launchers, parts)])
 
     return ctx.merge_call(gather, args=(value,))
+
+
+def read_xspace(path: str):
+    """The `XSpace` protocol buffer of a profile `tf.profiler.experimental.stop()` wrote to `path`.
+
+    TensorFlow writes a profile as `<logdir>/plugins/profile/<run>/<host>.xplane.pb`
+    and has no public reader for it: this parses it with the message class
+    TensorFlow ships, `tensorflow.tsl.profiler.protobuf.xplane_pb2.XSpace`
+    (planes → lines → events; event and stat metadata per plane). Verified on
+    TensorFlow 2.21. (The bytes `ProfilerSession.stop()` returns in memory are
+    not this message: parsing them fails with "String field had bad UTF-8".)
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    with open(path, "rb") as f:
+        return xplane_pb2.XSpace.FromString(f.read())
+
+
+def first_replica_spec(spec):
+    """`spec` with each per-replica spec (`PerReplicaSpec`, a distributed iterator's elements) as its first replica's.
+
+    `PerReplicaSpec` keeps its components in `_value_specs` (TensorFlow 2.16 to
+    2.21, tensorflow/python/distribute/values.py); no public accessor exists.
+    """
+
+    def first(s):
+        values = getattr(s, "_value_specs", None)
+        return values[0] if values else s
+
+    return tf.nest.map_structure(first, spec, expand_composites=False)
