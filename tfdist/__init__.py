@@ -90,9 +90,10 @@ def _load() -> None:
     try:
         if _os.environ.get("TFDIST_LOCAL_DEVICES"):
             count = _local_devices_from_environment()
-            _importlib.import_module("tfdist.devices").configure_local_devices(count)
-        for module in ("cluster", "options", "data", "datasets", "strategies", "registry", "memory"):
-            _importlib.import_module(f"tfdist.{module}")
+            from tfdist import devices
+
+            devices.configure_local_devices(count)
+        from tfdist import cluster, data, datasets, memory, options, registry, strategies  # noqa: F401
     except BaseException:
         _loaded = False
         raise

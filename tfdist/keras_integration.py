@@ -236,6 +236,7 @@ def patch_implementations() -> dict:
         "TensorFlowTrainer.predict": lambda original: _patched_ps(original, "predict"),
         "GradientTape.gradient": _patched_tape_gradient,
         **checkpointing.patch_implementations(),
+        **kc.patch_implementations(),
     }
 
 

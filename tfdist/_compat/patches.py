@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
+import sys
 from typing import Any, Callable, Iterator, Mapping
 
 NEWEST = "TensorFlow 2.21, Keras 3.15 (the suite)"
@@ -382,29 +382,37 @@ def patch(name: str) -> Patch:
 def add_implementations(loader: Callable[[], Mapping[str, Callable[[Any], Any]]]) -> None:
     """Registers `loader() -> {patch name: wrapper(original) -> replacement}`, called before the first install.
 
-    The `tfdist` package registers its integration layer's loader; the
-    accessors of `tfdist._compat.keras` are always loaded.
+    The `tfdist` package registers the integration layer's loader
+    (`tfdist.keras_integration.patch_implementations`, which includes the
+    checkpoint patches and the accessors' of `tfdist._compat.keras`).
     """
     if loader not in _loaders:
         _loaders.append(loader)
 
 
 def _load_implementations() -> None:
-    from tfdist._compat import keras as kc
-
-    sources = [kc.patch_implementations, *_loaders]
-    if _loaded[0] == len(sources):
-        return
-    for loader in sources[_loaded[0]:]:
+    for loader in _loaders[_loaded[0]:]:
         for name, wrapper in loader().items():
             patch(name)  # declared, or KeyError
             _implementations[name] = wrapper
-    _loaded[0] = len(sources)
+    _loaded[0] = len(_loaders)
 
 
 def resolve(entry: Patch) -> tuple[Any, str]:
-    """`(owner, attribute)`: the module or class `entry` patches, imported, and the attribute's name."""
-    owner = importlib.import_module(entry.module)
+    """`(owner, attribute)`: the module or class `entry` patches and the attribute's name.
+
+    The module is one Keras or TensorFlow loads with itself (read from
+    `sys.modules`, not imported here).
+    """
+    import keras  # noqa: F401  (loads every module a Keras target names)
+    import tensorflow  # noqa: F401
+
+    owner = sys.modules.get(entry.module)
+    if owner is None:
+        raise RuntimeError(
+            f"tfdist's patch {entry.name!r} targets {entry.target}, but Keras and TensorFlow did not load "
+            f"{entry.module!r}: this Keras or TensorFlow is not one tfdist supports (docs/compat.md)."
+        )
     for part in filter(None, entry.owner_path.split(".")):
         owner = getattr(owner, part)
     return owner, entry.attribute
