@@ -436,12 +436,13 @@ def _install(entry: Patch, wrapper: Callable[[Any], Any]) -> None:
 
 
 def _undo(name: str) -> None:
-    owner, attribute, own, replacement = _installed.pop(name)
+    owner, attribute, own, replacement = _installed[name]
     if vars(owner).get(attribute, _ABSENT) is not replacement:
         raise RuntimeError(
             f"tfdist cannot undo its patch {name!r}: {owner.__name__}.{attribute} was replaced again "
             "after tfdist patched it. Undo that change first."
         )
+    del _installed[name]
     if own is _ABSENT:
         delattr(owner, attribute)
     else:

@@ -74,3 +74,13 @@ def check() -> None:
         f"pip install '{requirement('tensorflow')}' '{requirement('keras')}' (docs/compat.md), "
         "then restart the process. Models outside tfdist strategies are unaffected."
     )
+
+
+if __name__ == "__main__":
+    # `python tfdist/_compat/versions.py --oldest`: the pip pins of the oldest supported
+    # versions, for `make test-compat` (run by path: no tfdist import, no TensorFlow).
+    import sys
+
+    if sys.argv[1:] != ["--oldest"]:
+        sys.exit("usage: python tfdist/_compat/versions.py --oldest")
+    print(f"tensorflow=={TENSORFLOW[0]} keras=={KERAS[0]}")
