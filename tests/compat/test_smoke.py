@@ -46,7 +46,8 @@ def _model() -> keras.Model:
     return model
 
 
-def _one_device(x, y, policy=None) -> list:
+def _one_device(x, y, policy=None) -> tuple[list, dict, dict]:
+    """Weights, the epoch's logs and `evaluate`'s, trained on one device."""
     previous = keras.config.dtype_policy()
     if policy is not None:
         keras.config.set_dtype_policy(policy)
@@ -54,8 +55,9 @@ def _one_device(x, y, policy=None) -> list:
         model = _model()
     finally:
         keras.config.set_dtype_policy(previous)
-    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    return model.get_weights()
+    history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    logs = {k: v[-1] for k, v in history.history.items()}
+    return model.get_weights(), logs, model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +102,14 @@ def test_local_strategy_and_step_option_train_as_one_device(cell, data, referenc
         model = _model()
     # Accumulation: each step's global batch is split into micro-batches, as one device's batch of 32.
     micro = BATCH // options.get("accumulation_steps", 1)
-    model.fit(x, y, batch_size=micro, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=micro, shuffle=False, verbose=0)
+    weights, logs, evaluated = references[policy]
     assert int(np.asarray(model.optimizer.iterations)) == STEPS
-    assert max_relative_difference(references[policy], model.get_weights()) <= tolerance
+    assert max_relative_difference(weights, model.get_weights()) <= tolerance
+    # The logs too: Keras's metric variables changed how they synchronise across releases.
+    assert {k: v[-1] for k, v in history.history.items()} == pytest.approx(logs, rel=tolerance, abs=tolerance)
+    got = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert got == pytest.approx(evaluated, rel=tolerance, abs=tolerance)
 
 
 _WORKER = """
@@ -120,11 +127,12 @@ strategy = tfdist.get_strategy("multi_worker", collective_timeout=120.0)
 x, y = tfdist.datasets.load_digits()
 with strategy.scope():
     model = _model()
-model.fit(x[:SAMPLES], y[:SAMPLES], batch_size=BATCH, shuffle=False, verbose=0)
+history = model.fit(x[:SAMPLES], y[:SAMPLES], batch_size=BATCH, shuffle=False, verbose=0)
 task = strategy.cluster_config.task_id
 np.savez(os.path.join(sys.argv[1], f"worker{task}.npz"), *model.get_weights())
 with open(os.path.join(sys.argv[1], f"worker{task}.json"), "w") as f:
-    json.dump({"replicas": strategy.num_replicas_in_sync, "iterations": int(model.optimizer.iterations.numpy())}, f)
+    json.dump({"replicas": strategy.num_replicas_in_sync, "iterations": int(model.optimizer.iterations.numpy()),
+               "logs": {k: float(v[-1]) for k, v in history.history.items()}}, f)
 """
 
 
@@ -141,7 +149,35 @@ def test_multi_worker_two_processes_train_as_one_device(tmp_path, references):
     assert status == 0
     for task in (0, 1):
         with open(tmp_path / f"worker{task}.json") as f:
-            assert json.load(f) == {"replicas": 2, "iterations": STEPS}
+            result = json.load(f)
+        assert result["logs"] == pytest.approx(references[None][1], rel=FLOAT32, abs=FLOAT32)
+        assert (result["replicas"], result["iterations"]) == (2, STEPS)
         saved = np.load(tmp_path / f"worker{task}.npz")
         weights = [saved[f"arr_{i}"] for i in range(len(saved.files))]
-        assert max_relative_difference(references[None], weights) <= FLOAT32
+        assert max_relative_difference(references[None][0], weights) <= FLOAT32
+
+
+def test_custom_train_step_evaluate_predict_and_save_under_mirrored(tmp_path):
+    # A hand-written train_step (tape, compute_loss, optimizer.apply), evaluate, predict_on_batch,
+    # int() of the iteration count and an atomic save: the integration's other hooks, at both ends.
+    from tests.models.zoo import ZOO
+
+    entry = ZOO["custom_step"]
+    x, y = entry.data()
+    reference = entry.make(seed=0, dropout=0.0)
+    reference.fit(x, y, batch_size=entry.batch_size, shuffle=False, verbose=0)
+    strategy = _strategy("mirrored")
+    with strategy.scope():
+        model = entry.make(seed=0, dropout=0.0)
+    model.fit(x, y, batch_size=entry.batch_size, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == len(x) // entry.batch_size
+    assert max_relative_difference(reference.get_weights(), model.get_weights()) <= entry.tolerance
+    expected = reference.evaluate(x, y, batch_size=entry.batch_size, verbose=0, return_dict=True)
+    got = model.evaluate(x, y, batch_size=entry.batch_size, verbose=0, return_dict=True)
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert model.predict_on_batch(x[:5]).shape == (5, 1)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    assert sorted(os.listdir(tmp_path)) == ["model.keras"]  # written to a temporary file, renamed
+    reloaded = keras.models.load_model(path)
+    assert max_relative_difference(model.get_weights(), reloaded.get_weights()) == 0.0

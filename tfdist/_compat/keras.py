@@ -161,15 +161,7 @@ def multi_optimizer_groups(optimizer, variables: Sequence) -> list:
 
 
 def overwrites_with_gradient(optimizer, variable) -> bool:
-    """Keras's float8 rule: the variable takes its gradient as its value (no optimizer step).
-
-    Version gate: Keras 3.10 asks the optimizer (`_overwrite_variable_with_gradient`,
-    keras-team/keras#21082, so that Muon can route variables); before, Keras read
-    the variable's own `overwrite_with_gradient` (3.8 and 3.9:
-    `BaseOptimizer._overwrite_variables_directly_with_gradients`).
-    """
-    if keras_version() < (3, 10):
-        return bool(getattr(variable, "overwrite_with_gradient", False))
+    """Keras's float8 rule: the variable takes its gradient as its value (no optimizer step)."""
     return bool(optimizer._overwrite_variable_with_gradient(variable))
 
 
@@ -207,9 +199,9 @@ def weight_decay_rate(optimizer, variable, masked: bool = False):
     Muon decays its Adam-updated variables at `adam_weight_decay`. With
     `masked`, the exclusion rule is the caller's (a per-element mask).
     """
-    # Version gate: Muon is Keras 3.10's (keras-team/keras#20870).
-    muon = getattr(keras.optimizers, "Muon", None)
-    if muon is not None and isinstance(optimizer, muon):
+    from keras.src.optimizers.muon import Muon
+
+    if isinstance(optimizer, Muon):
         if not optimizer._use_weight_decay(variable):
             return None
         if optimizer._should_use_adamw(variable):
