@@ -14,7 +14,7 @@ loss` then `loss.apply_mask` is `"keras.src.losses:loss.apply_mask"`).
 `ATTRIBUTES`: private attributes read on objects (`model._compile_loss`),
 each with the class whose instances have it (`"module:Class"`) and the
 version gate under which `_compat` reads it (`None`: every supported version;
-`("keras", (3, 10))`: Keras 3.10 and later).
+`("keras", (3, 13))`: Keras 3.13 and later).
 
 Imports nothing.
 """
@@ -44,6 +44,7 @@ NAMES: dict[str, Gate | None] = {
     "keras.src.optimizers.adamax:Adamax": None,
     "keras.src.optimizers.adamax:Adamax.update_step": None,
     "keras.src.optimizers.base_optimizer:BaseOptimizer": None,
+    "keras.src.optimizers.muon:Muon": None,
     "keras.src.optimizers.nadam:Nadam": None,
     "keras.src.optimizers.nadam:Nadam.update_step": None,
     "keras.src.saving.keras_saveable:KerasSaveable": None,
@@ -122,9 +123,9 @@ ATTRIBUTES: dict[str, tuple[str, Gate | None]] = {
     "_trainable_variables_indices": (_OPTIMIZER, None),
     "_use_weight_decay": (_OPTIMIZER, None),
     "_var_key": (_OPTIMIZER, None),
-    "_overwrite_variable_with_gradient": (_OPTIMIZER, ("keras", (3, 10))),
+    "_overwrite_variable_with_gradient": (_OPTIMIZER, None),
     "_u_product": ("keras:optimizers.Nadam", None),
-    "_should_use_adamw": ("keras:optimizers.Muon", ("keras", (3, 10))),
+    "_should_use_adamw": ("keras:optimizers.Muon", None),
     "_inner_optimizers": ("keras:optimizers.MultiOptimizer", ("keras", (3, 13))),
     "_var_to_optimizer_idx": ("keras:optimizers.MultiOptimizer", ("keras", (3, 13))),
     # Variables.
