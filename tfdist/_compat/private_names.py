@@ -26,6 +26,7 @@ Gate = tuple  # ("keras" | "tensorflow", (major, minor)) or None
 NAMES: dict[str, Gate | None] = {
     "keras.src.api_export:REGISTERED_OBJS_TO_NAMES": None,
     "keras.src.backend.common.name_scope:current_path": None,
+    "keras.src.backend.common.name_scope:name_scope": None,
     "keras.src.backend.common.stateless_scope:get_stateless_scope": None,
     "keras.src.backend.common.symbolic_scope:SymbolicScope": None,
     "keras.src.backend.common.variables:in_stateless_scope": None,
@@ -33,6 +34,8 @@ NAMES: dict[str, Gate | None] = {
     "keras.src.backend.common:global_state.get_global_attribute": None,
     "keras.src.backend.common:global_state.set_global_attribute": None,
     "keras.src.backend.tensorflow.core:Variable": None,
+    "keras.src.backend.tensorflow.optimizer:TFOptimizer": None,
+    "keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_update_step": None,
     "keras.src.backend.tensorflow.trainer:TensorFlowTrainer": None,
     "keras.src.losses:loss": None,
     "keras.src.losses:loss.apply_mask": None,
@@ -113,6 +116,7 @@ ATTRIBUTES: dict[str, tuple[str, Gate | None]] = {
     "_flat_losses": ("keras.src.trainers.compile_utils:CompileLoss", None),
     "_metrics": ("keras.src.trainers.compile_utils:CompileLoss", None),
     # Optimizers.
+    "_backend_update_step": (_OPTIMIZER, None),
     "_check_variables_are_known": (_OPTIMIZER, None),
     "_clip_gradients": (_OPTIMIZER, None),
     "_filter_empty_gradients": (_OPTIMIZER, None),
