@@ -29,9 +29,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
+from tests.strategies.ps_in_process_job import create_in_process_cluster  # noqa: E402
 from tfdist._compat import keras as kc  # noqa: E402
 from tfdist._compat import patches  # noqa: E402
-from tests.strategies.ps_in_process_job import create_in_process_cluster  # noqa: E402
 
 STEPS = 4
 VOCAB, DIM, BATCH = 20, 8, 8
