@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import threading
 from typing import Any, Callable, Iterator, Mapping
 
 NEWEST = "TensorFlow 2.21, Keras 3.15 (the suite); not run at the oldest versions"
@@ -368,6 +369,9 @@ _loaded = [0]
 # name -> (owner, attribute, the owner's own value before (or _ABSENT), the installed object)
 _installed: dict[str, tuple[Any, str, Any, Any]] = {}
 _ABSENT = object()
+# MirroredStrategy traces each replica in its own thread, and a context of `_compat.keras`
+# may install its patch from there: one installer at a time.
+_lock = threading.RLock()
 BY_NAME = {p.name: p for p in PATCHES}
 
 
@@ -472,21 +476,23 @@ def install(need: str | None = None) -> list[str]:
 def install_named(*names: str) -> list[str]:
     """Installs the named patches that are not installed yet; returns those it installed."""
     done = []
-    for name in names:
-        entry = patch(name)
-        if entry.temporary:
-            raise ValueError(f"Patch {name!r} is temporary: use `temporarily({name!r}, ...)`.")
-        if name not in _installed:
-            _install(entry, implementation(name))
-            done.append(name)
+    with _lock:
+        for name in names:
+            entry = patch(name)
+            if entry.temporary:
+                raise ValueError(f"Patch {name!r} is temporary: use `temporarily({name!r}, ...)`.")
+            if name not in _installed:
+                _install(entry, implementation(name))
+                done.append(name)
     return done
 
 
 def uninstall() -> list[str]:
     """Undoes every installed patch, the last installed first; returns their names."""
-    names = list(_installed)[::-1]
-    for name in names:
-        _undo(name)
+    with _lock:
+        names = list(_installed)[::-1]
+        for name in names:
+            _undo(name)
     return names
 
 
@@ -505,8 +511,10 @@ def temporarily(name: str, wrapper: Callable[[Any], Any]) -> Iterator[None]:
     entry = patch(name)
     if not entry.temporary:
         raise ValueError(f"Patch {name!r} is not temporary: install it with `install_named({name!r})`.")
-    _install(entry, wrapper)
+    with _lock:
+        _install(entry, wrapper)
     try:
         yield
     finally:
-        _undo(name)
+        with _lock:
+            _undo(name)
