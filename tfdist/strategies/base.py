@@ -102,8 +102,8 @@ class TfdistStrategy:
         (`run_creation_hooks`).
         """
         versions.check()
-        patches.install()
         params, step = split_options(self.name, self.PARAMS, values)
+        patches.install()
         self._tfdist_options = step
         self._tfdist_params = params
         return params
