@@ -11,6 +11,7 @@ identity of each object.
 
 from __future__ import annotations
 
+import pathlib
 import sys
 import types
 
@@ -25,6 +26,7 @@ from tfdist._compat import patches
 from tfdist.strategies.base import run_creation_hooks
 
 _WATCHED = ("keras", "tensorflow", "tf_keras")
+TFDIST_DIR = pathlib.Path(tfdist.__file__).resolve().parent
 _KINDS = (types.FunctionType, types.BuiltinFunctionType, type, staticmethod, classmethod, property)
 
 
@@ -51,9 +53,20 @@ def _snapshot(namespaces) -> dict[tuple[str, str], object]:
     }
 
 
+def _from_tfdist(value) -> bool:
+    code = getattr(value, "__code__", None)
+    return code is not None and TFDIST_DIR in pathlib.Path(code.co_filename).resolve().parents
+
+
 def _changes(namespaces, before: dict) -> set[tuple[str, str]]:
+    """Keys whose object changed or went; keys added where tfdist's code was put, or at a patch's target.
+
+    (A first use of TensorFlow or Keras may add names of their own to a loaded module.)
+    """
     after = _snapshot(namespaces)
-    return {key for key in before.keys() | after.keys() if before.get(key) is not after.get(key)}
+    targets = {_target_key(p) for p in patches.PATCHES}
+    changed = {key for key in before if before[key] is not after.get(key)}
+    return changed | {key for key in after.keys() - before.keys() if _from_tfdist(after[key]) or key in targets}
 
 
 def _target_key(entry) -> tuple[str, str]:
