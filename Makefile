@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tfdist-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench lint clean
+.PHONY: demo test test-fast test-compat bench lint clean
 
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,21 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not cluster" $(PYTEST_ARGS)
 
+# The oldest TensorFlow and Keras that setup.py declares (tfdist/_compat/versions.py), in a
+# virtualenv built from nothing each time: the parity smoke (every local strategy and step
+# option against one device) and the private-name checks run there (docs/compat.md). The
+# newest versions are the suite's own (`make test` runs the same tests).
+COMPAT_VENV ?= .venv-oldest
+
+test-compat:
+	rm -rf $(COMPAT_VENV)
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --upgrade --quiet pip
+	$(COMPAT_VENV)/bin/python -m pip install --quiet $$($(PYTHON) tfdist/_compat/versions.py --oldest) "pytest>=7" "pytest-xdist>=3"
+	$(COMPAT_VENV)/bin/python -m pip install --quiet -e .
+	$(COMPAT_VENV)/bin/python -c "import tensorflow as tf, keras; print('test-compat: TensorFlow', tf.__version__, 'Keras', keras.__version__)"
+	$(COMPAT_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests/compat $(PYTEST_ARGS)
+
 bench: $(BENCH_STAMP)
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
@@ -42,4 +57,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check tfdist tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info .pytest_cache

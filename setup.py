@@ -1,12 +1,18 @@
 """tfdist: distribution strategies for Keras 3 and TensorFlow."""
 
 import os
+import runpy
 
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
     LONG_DESCRIPTION = f.read()
+
+# The supported TensorFlow and Keras versions, declared once in tfdist/_compat/versions.py
+# (read here without importing tfdist; a strategy checks them at creation, docs/compat.md).
+VERSIONS = runpy.run_path(os.path.join(HERE, "tfdist", "_compat", "versions.py"))
+requirement = VERSIONS["requirement"]
 
 setup(
     name="tfdist",
@@ -20,15 +26,15 @@ setup(
     packages=find_packages(include=["tfdist", "tfdist.*"]),
     package_data={"tfdist": ["datasets/*.csv.gz", "datasets/README.md"]},
     install_requires=[
-        "tensorflow>=2.16",
-        "keras>=3.5",
+        requirement("tensorflow"),
+        requirement("keras"),
         "numpy",
         "absl-py",
         'tomli>=1.1; python_version < "3.11"',
     ],
     extras_require={
-        "legacy": ["tf-keras>=2.16"],
-        "test": ["pytest>=7", "pytest-xdist>=3", "tf-keras>=2.16", "tensorboard", "ruff"],
+        "legacy": [requirement("tf-keras")],
+        "test": ["pytest>=7", "pytest-xdist>=3", requirement("tf-keras"), "tensorboard", "ruff"],
         # torch: PyTorch DDP in benchmarks/vs_ddp.py (the CPU wheel; skipped there when absent).
         "bench": ["psutil", "torch==2.13.0"],
     },

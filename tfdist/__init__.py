@@ -16,12 +16,16 @@ model.fit(x, y, batch_size=64, epochs=3)
 `import tfdist` itself loads neither TensorFlow nor Keras, so that the
 `tfdist` command (`tfdist launch --help`, the launcher's own process) starts
 at once. The first use of any other name of the package (`tfdist.get_strategy`,
-`tfdist.strategies`, `from tfdist import data`, ...) loads it whole and
-installs tfdist's Keras hooks, before the strategy that needs them exists.
+`tfdist.strategies`, `from tfdist import data`, ...) loads it whole.
 `tfdist.cli`, `tfdist.launch`, `tfdist.cluster`, `tfdist.options` and
-`tfdist.tuning` load alone, without TensorFlow. With `TFDIST_LOCAL_DEVICES` set, `import tfdist`
-loads everything at once, as the devices must be split before TensorFlow
-initialises them.
+`tfdist.datasets` and `tfdist.tuning` load alone, without TensorFlow. With `TFDIST_LOCAL_DEVICES`
+set, `import tfdist` loads everything at once, as the devices must be split
+before TensorFlow initialises them.
+
+Neither importing nor loading changes Keras or TensorFlow: tfdist's patches
+(`tfdist._compat.patches`, docs/compat.md) are installed when a tfdist
+strategy is created. This module hands the registry the integration layer's
+wrappers (`keras_integration.patch_implementations`), loaded then.
 """
 
 from __future__ import annotations
@@ -29,10 +33,22 @@ from __future__ import annotations
 import importlib as _importlib
 import os as _os
 
+from tfdist._compat import patches as _patches
+
 __version__ = "0.1.0"
 
 # Modules that import no TensorFlow: reached without loading the package.
-_LIGHT_MODULES = ("cli", "launch", "cluster", "options", "tuning")
+_LIGHT_MODULES = ("cli", "launch", "cluster", "options", "datasets", "tuning")
+
+
+def _integration_patches() -> dict:
+    """The integration layer's patch wrappers, for the registry (loaded when a strategy installs them)."""
+    from tfdist import keras_integration
+
+    return keras_integration.patch_implementations()
+
+
+_patches.add_implementations(_integration_patches)
 
 # Every public name, and the module that defines it.
 _PUBLIC = {
@@ -67,7 +83,7 @@ def _local_devices_from_environment() -> int:
 
 
 def _load() -> None:
-    """Imports the whole package and installs the Keras hooks, once."""
+    """Imports the whole package, once (Keras and TensorFlow stay as they are)."""
     global _loaded
     if _loaded:
         return
@@ -75,24 +91,31 @@ def _load() -> None:
     try:
         if _os.environ.get("TFDIST_LOCAL_DEVICES"):
             count = _local_devices_from_environment()
-            _importlib.import_module("tfdist.devices").configure_local_devices(count)
-        for module in ("cluster", "options", "data", "datasets", "strategies", "registry", "memory"):
-            _importlib.import_module(f"tfdist.{module}")
-        _importlib.import_module("tfdist.keras_integration").install()
+            from tfdist import devices
+
+            devices.configure_local_devices(count)
+        from tfdist import cluster, data, datasets, memory, options, registry, strategies  # noqa: F401
     except BaseException:
         _loaded = False
         raise
 
 
 def install_hooks() -> None:
-    """Loads the whole package and installs tfdist's Keras hooks; idempotent.
+    """Installs the patches of Keras and TensorFlow every tfdist strategy installs when it is created.
 
-    Done on the first use of any name of the package and whenever a tfdist
-    strategy is constructed, so a script that imports a strategy class from
-    its module (`from tfdist.strategies.mirrored import MirroredStrategy`)
-    gets the hooks too; calling it yourself is never needed.
+    Creating a strategy does this (however it was imported), so calling it
+    yourself is never needed; models outside tfdist strategies are unaffected
+    either way (docs/compat.md). Idempotent.
+
+    Example:
+
+    ```python
+    import tfdist
+    tfdist.install_hooks()
+    ```
     """
     _load()
+    _patches.install()
 
 
 def __getattr__(name: str):

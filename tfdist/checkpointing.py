@@ -7,7 +7,8 @@ preempted worker, the OOM killer, a restart by the launcher) leaves a truncated
 file where the last good checkpoint was, and the restarted job cannot resume
 (`OSError: ... bad object header version number`, `BadZipFile`).
 
-For a model built under a tfdist strategy, `install` makes these writes
+For a model built under a tfdist strategy, the registry's patches
+(`patch_implementations`, installed with every tfdist strategy) make these writes
 atomic: each file is written to a temporary file in the same folder
 (`.tfdist-<pid>-<name>`), flushed to disk, and renamed over the target with
 `os.replace`. Until the rename the previous checkpoint is untouched; after it
@@ -38,8 +39,6 @@ import os
 import re
 import shutil
 from typing import Callable, TypeVar
-
-import keras
 
 from tfdist._compat import keras as kc
 from tfdist.strategies.base import is_tfdist_strategy
@@ -334,19 +333,17 @@ def _patched_backup_restore(original):
     return on_train_begin
 
 
-def install() -> None:
-    """Makes checkpoint writes of models under tfdist strategies atomic; safe to call again."""
-    if kc.replaced(keras.Model, "save"):
-        return
-    kc.replace_method(keras.Model, "save", _patched_save)
-    kc.replace_method(keras.Model, "save_weights", _patched_save_weights)
-    kc.replace_method(keras.callbacks.BackupAndRestore, "on_train_begin", _patched_backup_restore)
-    kc.replace_backup_and_restore_save(_patched_backup_save)
+def patch_implementations() -> dict:
+    """`{patch name: wrapper(original) -> replacement}` for the registry's checkpoint patches.
 
-
-def uninstall() -> None:
-    """Restores Keras's own `save`, `save_weights` and `BackupAndRestore` writes."""
-    kc.restore_method(keras.Model, "save")
-    kc.restore_method(keras.Model, "save_weights")
-    kc.restore_method(keras.callbacks.BackupAndRestore, "on_train_begin")
-    kc.restore_backup_and_restore_save()
+    Declared in `tfdist._compat.patches` (`Model.save`, `Model.save_weights`,
+    `BackupAndRestore.on_train_begin`, `BackupAndRestore._save_model`);
+    installed with every tfdist strategy, so checkpoint writes of models
+    under it are atomic. Every other model runs Keras's own code.
+    """
+    return {
+        "Model.save": _patched_save,
+        "Model.save_weights": _patched_save_weights,
+        "BackupAndRestore.on_train_begin": _patched_backup_restore,
+        "BackupAndRestore._save_model": _patched_backup_save,
+    }

@@ -34,13 +34,12 @@ def _demo_run(args: argparse.Namespace) -> int:
             print(f"tfdist demo: {flag} must be a positive integer. Received: {flag} {value}", file=sys.stderr)
             return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tfdist
-    from tfdist import demo
+    from tfdist import demo, devices, registry
 
-    unknown = [s for s in (args.strategy or []) if s not in tfdist.strategy_names()]
+    unknown = [s for s in (args.strategy or []) if s not in registry.strategy_names()]
     if unknown:
         print(
-            f"tfdist demo: unknown strategy {unknown[0]!r}. Valid names: {tfdist.strategy_names()}",
+            f"tfdist demo: unknown strategy {unknown[0]!r}. Valid names: {registry.strategy_names()}",
             file=sys.stderr,
         )
         return 2
@@ -54,7 +53,7 @@ def _demo_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    tfdist.configure_local_devices(args.devices)
+    devices.configure_local_devices(args.devices)
     rows = demo.run_demo(
         epochs=args.epochs,
         batch_size=args.batch_size,

@@ -25,7 +25,7 @@ The main upstream issues worked around here:
 from __future__ import annotations
 
 import functools
-import warnings
+import inspect
 
 import keras
 import numpy as np
@@ -33,11 +33,9 @@ import tensorflow as tf
 
 from tfdist import checkpointing
 from tfdist._compat import keras as kc
+from tfdist._compat import patches
 from tfdist.data import sinking
-from tfdist.strategies.base import add_creation_hook, is_tfdist_strategy
-
-_installed = False
-_hooks_registered: list = []
+from tfdist.strategies.base import is_tfdist_strategy
 
 
 def _is_tfdist_model(model) -> bool:
@@ -150,11 +148,12 @@ def _patched_predict_on_batch(original):
         # 3.15; `tf.distribute.MirroredStrategy` alone does the same). Under a
         # tfdist strategy whose replicas are all in this process, the batch is
         # split over them as `predict` splits it, and each row returned once.
+        # An asynchronous strategy (the parameter server) has no global batch to split.
         strategy = kc.model_strategy(self)
         if (
             not _is_tfdist_model(self)
             or strategy.num_replicas_in_sync == 1
-            or getattr(strategy, "name", None) == "parameter_server"
+            or strategy.asynchronous
             or len(strategy.extended.worker_devices) != strategy.num_replicas_in_sync
         ):
             return original(self, x)
@@ -216,69 +215,48 @@ def _patched_dtype_policy(original):
     return dtype_policy
 
 
+def patch_implementations() -> dict:
+    """`{patch name: wrapper(original) -> replacement}` for the registry's integration patches.
+
+    The registry (`tfdist._compat.patches`) declares each patch, what it
+    changes and why; here is what the integration layer's wrappers do. The
+    `tfdist` package hands this to the registry (`patches.add_implementations`).
+    """
+    return {
+        "TensorFlowTrainer._maybe_symbolic_build": _patched_symbolic_build,
+        # The default dtype policy, read by every layer at construction; the
+        # precision option routes through it.
+        "dtype_policy": _patched_dtype_policy,
+        "Trainer.compile": _patched_compile,
+        "TensorFlowTrainer.make_train_function": lambda original: _patched_make(original, "train"),
+        "TensorFlowTrainer.make_test_function": lambda original: _patched_make(original, "test"),
+        "TensorFlowTrainer.predict_on_batch": _patched_predict_on_batch,
+        # optimizer.apply in custom training loops (and over variables held in shards).
+        "BaseOptimizer.apply": _patched_optimizer_apply,
+        "LossScaleOptimizer.apply": _patched_loss_scale_apply,
+        # Each replica draws its own dropout masks and augmentations.
+        "SeedGenerator.next": kc.seed_folding(is_tfdist_strategy),
+        "TensorFlowTrainer.fit": _patched_fit,
+        "TensorFlowTrainer.evaluate": lambda original: _patched_ps(original, "evaluate"),
+        "TensorFlowTrainer.predict": lambda original: _patched_ps(original, "predict"),
+        "GradientTape.gradient": _patched_tape_gradient,
+        **checkpointing.patch_implementations(),
+        **kc.patch_implementations(),
+    }
+
+
 def install() -> None:
-    """Installs tfdist's hooks into Keras once; safe to call again."""
-    global _installed
-    if _installed:
-        return
-    version = kc.keras_version()
-    low, high = kc.VERIFIED_KERAS
-    if not (low <= version <= high):
-        warnings.warn(
-            f"tfdist was verified with Keras {low[0]}.{low[1]} to {high[0]}.{high[1]}; found "
-            f"Keras {keras.__version__}. Training under tfdist strategies may fail; models "
-            "outside them are unaffected.",
-            stacklevel=2,
-        )
-    trainer = kc.trainer_class()
-    kc.replace_symbolic_build(_patched_symbolic_build)
-    # The default dtype policy, read by every layer at construction; the
-    # precision option routes through it.
-    kc.replace_default_dtype_policy(_patched_dtype_policy)
-    # Wrap Trainer.compile itself: Keras's compile_from_config skips compiling
-    # on load when `type(model).compile != Trainer.compile`.
-    kc.replace_method(kc.trainer_base_class(), "compile", _patched_compile)
-    kc.replace_method(trainer, "make_train_function", lambda original: _patched_make(original, "train"))
-    kc.replace_method(trainer, "make_test_function", lambda original: _patched_make(original, "test"))
-    kc.replace_method(trainer, "predict_on_batch", _patched_predict_on_batch)
-    # optimizer.apply in custom training loops (and over variables held in shards).
-    kc.replace_method(kc.base_optimizer_class(), "apply", _patched_optimizer_apply)
-    kc.replace_method(keras.optimizers.LossScaleOptimizer, "apply", _patched_loss_scale_apply)
-    # int(model.optimizer.iterations) under a strategy.
-    kc.replace_number_conversions()
-    # Each replica draws its own dropout masks and augmentations.
-    kc.fold_replica_into_seeds(is_tfdist_strategy)
-    # Checkpoint writes of tfdist models go to a temporary file renamed into place.
-    checkpointing.install()
-    if not _hooks_registered:
-        add_creation_hook("multi_worker", lambda strategy: redirect_non_chief_writes_in_fit())
-        add_creation_hook("parameter_server", lambda strategy: install_parameter_server_fit())
-        # Stage 3 holds trainable variables in shards: a custom train_step's
-        # tape and a custom loop's optimizer must take them.
-        add_creation_hook("sharded_parameters", lambda strategy: patch_training_of_sharded_variables())
-        _hooks_registered.append(True)
-    _installed = True
+    """Installs the patches every tfdist strategy installs when it is created; safe to call again.
+
+    Creating a tfdist strategy does this (`tfdist.strategies.base`); tests of
+    the hooks themselves call it after `uninstall`.
+    """
+    patches.install()
 
 
 def uninstall() -> None:
-    """Restores Keras's own methods (used by tests of the hooks themselves)."""
-    global _installed
-    if not _installed:
-        return
-    trainer = kc.trainer_class()
-    kc.restore_method(kc.trainer_base_class(), "compile")
-    kc.restore_method(trainer, "make_train_function")
-    kc.restore_method(trainer, "make_test_function")
-    kc.restore_method(trainer, "predict_on_batch")
-    kc.restore_method(kc.base_optimizer_class(), "apply")
-    kc.restore_method(keras.optimizers.LossScaleOptimizer, "apply")
-    kc.restore_number_conversions()
-    kc.restore_seed_folding()
-    kc.restore_symbolic_build()
-    kc.restore_default_dtype_policy()
-    checkpointing.uninstall()
-    _installed = False
-_hooks_registered: list = []
+    """Undoes every installed patch of tfdist's registry: Keras and TensorFlow as they were."""
+    patches.uninstall()
 
 
 # ---------------------------------------------------------------------------
@@ -410,10 +388,9 @@ def sink_input(model, epoch_iterator) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Multi-worker: chief-only writes of Keras callbacks.
+# `fit`: the strategy's own host loop (parameter server), chief-only writes of
+# Keras callbacks (multi_worker).
 # ---------------------------------------------------------------------------
-
-_fit_hook = {}
 
 
 def _redirected_callback(callback, strategy):
@@ -444,32 +421,30 @@ def _redirected_callback(callback, strategy):
     return callback
 
 
-def redirect_non_chief_writes_in_fit() -> None:
-    """Makes `fit` under a multi-worker tfdist strategy write callback files from the chief only.
+def _patched_fit(original):
+    """`fit` under a strategy whose host loop replaces Keras's, or that writes callback files from the chief only.
 
-    TensorFlow's multi-worker guide: every worker saves (saving may run
-    collectives), but only the chief writes where the user asked; the others
-    write to a temporary directory that is removed afterwards. Keras 3's
-    `ModelCheckpoint`, `TensorBoard` and `BackupAndRestore` know nothing of
-    workers (tf-keras's did), so all workers would write the same files at
-    once. Under a strategy with `write_dir`/`is_chief` (the multi_worker
-    strategy), `fit` gets copies of those callbacks that write under
+    A strategy whose host loop has its own `fit` (the parameter server's
+    `ClusterCoordinator` loop) runs it. Under a strategy that
+    `redirects_non_chief_writes` (multi_worker): TensorFlow's multi-worker
+    guide has every worker save (saving may run collectives), but only the
+    chief write where the user asked; the others write to a temporary
+    directory that is removed afterwards. Keras 3's `ModelCheckpoint`,
+    `TensorBoard` and `BackupAndRestore` know nothing of workers (tf-keras's
+    did), so all workers would write the same files at once. On a non-chief
+    worker `fit` gets copies of those callbacks that write under
     `strategy.write_dir(path)`; `BackupAndRestore` still restores from the
     chief's directory. Uses the private attributes of `BackupAndRestore`
     (`_weights_path`, `_training_metadata_path`, `_prev_*`), verified on Keras
-    3.5 to 3.15. Installed once, by the strategy's constructor.
+    3.8 to 3.15. Every other model: Keras's own `fit`, called as given.
     """
-    import inspect
-
-    trainer = kc.trainer_class()
-    # Checked on the method itself: another hook may have replaced `fit` since.
-    if getattr(trainer.fit, "_tfdist_redirects_writes", False):
-        return
-    original = trainer.fit
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
+        replacement = _host_loop_method(self, "fit")
+        if replacement is not None:
+            return replacement(self, *args, **kwargs)
         strategy = kc.model_strategy(self)
         if not (is_tfdist_strategy(strategy) and strategy.redirects_non_chief_writes):
             return original(self, *args, **kwargs)
@@ -493,9 +468,7 @@ def redirect_non_chief_writes_in_fit() -> None:
                 raise
             raise better from error
 
-    fit._tfdist_redirects_writes = True
-    _fit_hook["fit"] = original
-    trainer.fit = fit
+    return fit
 
 
 # ---------------------------------------------------------------------------
@@ -537,25 +510,11 @@ def _patched_ps(original, method: str):
 def install_parameter_server_fit() -> None:
     """Routes `fit`/`evaluate`/`predict` of parameter-server models to tfdist; idempotent.
 
-    Also patches Keras variables on ps tasks (`patch_variables_for_parameter_servers`)
-    and lets custom loops train partitioned variables (`patch_training_of_sharded_variables`).
+    Also patches Keras variables on ps tasks and lets custom loops train
+    partitioned variables: the registry's patches of need "parameter_server"
+    (`tfdist._compat.patches`), which the strategy installs when it is created.
     """
-    trainer = kc.trainer_class()
-    if kc.replaced(trainer, "predict"):
-        return
-    for method in ("fit", "evaluate", "predict"):
-        kc.replace_method(trainer, method, lambda original, method=method: _patched_ps(original, method))
-    kc.patch_variables_for_parameter_servers()
-    patch_training_of_sharded_variables()
-
-
-def uninstall_parameter_server_fit() -> None:
-    """Restores Keras's own `fit`/`evaluate`/`predict`, variable methods, tape and optimizer."""
-    trainer = kc.trainer_class()
-    for method in ("fit", "evaluate", "predict"):
-        kc.restore_method(trainer, method)
-    kc.unpatch_variables_for_parameter_servers()
-    unpatch_training_of_sharded_variables()
+    patches.install("parameter_server")
 
 
 def _patched_tape_gradient(original):
@@ -813,10 +772,11 @@ def patch_training_of_sharded_variables() -> None:
     a reference." TensorFlow's parameter_server_training tutorial (custom
     training loop with a `variable_partitioner`) fails on both.
 
-    Two patches: the first here (idempotent; undone by
-    `uninstall_parameter_server_fit`), the second installed with the other
-    Keras hooks (`install`), as it also serves custom loops under mirrored and
-    central_storage (`_patched_optimizer_apply`):
+    Two patches of the registry (`tfdist._compat.patches`): the first here
+    (idempotent; the strategies that hold variables in shards install it when
+    created), the second installed with every tfdist strategy, as it also
+    serves custom loops under mirrored and central_storage
+    (`_patched_optimizer_apply`):
 
     * `tf.GradientTape.gradient`: a source that holds shards is replaced by its
       shards (`variable_parts`), and their gradients are regrouped into one
@@ -832,11 +792,4 @@ def patch_training_of_sharded_variables() -> None:
 
     Verified on Keras 3.15 / TensorFlow 2.21.
     """
-    if kc.replaced(tf.GradientTape, "gradient"):
-        return
-    kc.replace_method(tf.GradientTape, "gradient", _patched_tape_gradient)
-
-
-def unpatch_training_of_sharded_variables() -> None:
-    """Restores TensorFlow's `GradientTape.gradient` (`uninstall` restores `BaseOptimizer.apply`)."""
-    kc.restore_method(tf.GradientTape, "gradient")
+    patches.install_named("GradientTape.gradient")

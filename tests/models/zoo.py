@@ -40,8 +40,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import tfdist
-
 # Every model trains on the same global batch; 16 splits over 2 replicas and
 # over 2 accumulation micro-batches of 8 (4 per replica).
 BATCH_SIZE = 16
@@ -146,7 +144,11 @@ def _mlp(dropout):
 
 @functools.cache
 def _digits(samples: int = SAMPLES):
-    x, y = tfdist.datasets.load_digits()
+    # Imported here: a process without tfdist builds the zoo's models from this module
+    # (tests/test_no_interference.py).
+    from tfdist.datasets import load_digits
+
+    x, y = load_digits()
     return x[:samples], y[:samples]
 
 

@@ -30,6 +30,8 @@ import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
 from tests.strategies.ps_in_process_job import create_in_process_cluster  # noqa: E402
+from tfdist._compat import keras as kc  # noqa: E402
+from tfdist._compat import patches  # noqa: E402
 
 STEPS = 4
 VOCAB, DIM, BATCH = 20, 8, 8
@@ -82,7 +84,7 @@ def weights(model) -> list:
 
 
 def main() -> dict:
-    patched = lambda: tfdist._compat.keras.replaced(tf.GradientTape, "gradient")  # noqa: E731
+    patched = lambda: patches.is_installed("GradientTape.gradient")  # noqa: E731
     before, patched_before = ordinary_gradients(), patched()
     resolver, _servers = create_in_process_cluster(1, 2)
     strategy = tfdist.get_strategy(
@@ -137,7 +139,7 @@ def main() -> dict:
     after, patched_after = ordinary_gradients(), patched()
     return {
         "shards": [list(v.shape) for v in emb.embeddings.value.variables],
-        "kernel_sharded": tfdist._compat.keras.is_sharded(model.layers[-1].kernel),
+        "kernel_sharded": kc.is_sharded(model.layers[-1].kernel),
         "gradient_types": seen["types"],
         "embedding_dense_shape": seen["dense_shape"],
         "same_initial": all(np.array_equal(a, b) for a, b in zip(initial, fit_initial)),

@@ -1,11 +1,16 @@
 """Keras private APIs, behind named functions: the only module that reaches into Keras.
 
 Every accessor here names what it reads and the Keras versions it was verified
-on (`VERIFIED_KERAS`, checked once by `tfdist.keras_integration.install`).
-Workarounds name their upstream issue (or quote the upstream error) in their
-docstrings, and each has a test that fails without it. Nothing here imports
-another tfdist module but `tfdist._compat.tf`; the layers above call these
-functions instead of touching `keras.src` or a private attribute.
+on (the supported range is `tfdist._compat.versions`, checked when a strategy
+is created; every private name read here is declared in
+`tfdist._compat.private_names` and checked against the installed Keras by
+`tests/compat/test_private_names.py`). Workarounds name their upstream issue
+(or quote the upstream error) in their docstrings, and each has a test that
+fails without it; a version gate names the release that changed the API.
+Process-wide patches are entries of `tfdist._compat.patches`; the wrappers
+this module provides for them are `patch_implementations()`. Nothing here
+imports another tfdist module but `tfdist._compat`'s; the layers above call
+these functions instead of touching `keras.src` or a private attribute.
 """
 
 from __future__ import annotations
@@ -13,24 +18,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 import keras
 import tensorflow as tf
 
-# Keras versions on which the private APIs below were verified.
-_originals: dict[str, Any] = {}
-_replaced: dict = {}
-
-
-VERIFIED_KERAS = ((3, 5), (3, 15))
-
-
+from tfdist._compat import patches
 
 
 def keras_version() -> tuple[int, int]:
-    major, minor = keras.__version__.split(".")[:2]
-    return int(major), int(minor)
+    """The installed Keras's (major, minor): what version gates compare."""
+    from tfdist._compat import versions
+
+    return versions.installed()["keras"][:2]
 
 
 def trainer_class():
@@ -321,24 +321,22 @@ def symbolic_build(model, data_batch) -> None:
     if not any(isinstance(s, tf.RaggedTensorSpec) for s in tf.nest.flatten(specs)):
         model._symbolic_build(data_batch=data_batch)
         return
-    from keras.src import backend as keras_backend
     from keras.src.backend.common.symbolic_scope import SymbolicScope
 
     x_spec = unpack_data(specs)[0]
-    original = keras_backend.compute_output_spec
 
-    def compute_output_spec(fn, *args, **kwargs):
-        if fn is not model:
-            return original(fn, *args, **kwargs)
-        with keras.StatelessScope(), SymbolicScope():
-            traced = tf.function(lambda x: fn(x, **kwargs), autograph=False).get_concrete_function(x_spec)
-        return tf.nest.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype), traced.structured_outputs)
+    def wrap(original):
+        def compute_output_spec(fn, *args, **kwargs):
+            if fn is not model:
+                return original(fn, *args, **kwargs)
+            with keras.StatelessScope(), SymbolicScope():
+                traced = tf.function(lambda x: fn(x, **kwargs), autograph=False).get_concrete_function(x_spec)
+            return tf.nest.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype), traced.structured_outputs)
 
-    keras_backend.compute_output_spec = compute_output_spec
-    try:
+        return compute_output_spec
+
+    with patches.temporarily("backend.compute_output_spec", wrap):
         model._symbolic_build(data_batch=data_batch)
-    finally:
-        keras_backend.compute_output_spec = original
 
 
 def epoch_element_spec(epoch_iterator):
@@ -403,8 +401,11 @@ _PATCHED_VARIABLE_METHODS = ("numpy", "__array__", "assign_add", "assign_sub", "
 def patch_variables_for_parameter_servers() -> None:
     """Makes Keras variables held on ps tasks readable as arrays and safe to update concurrently.
 
-    Two upstream behaviours of Keras 3's TensorFlow `Variable` (idempotent;
-    other variables behave exactly as before):
+    Installs the registry's `Variable.numpy`, `Variable.__array__`,
+    `Variable.assign_add`, `Variable.assign_sub` and
+    `Variable._serialize_to_tensors` (`tfdist._compat.patches`; idempotent;
+    other variables behave exactly as before), for three upstream behaviours
+    of Keras 3's TensorFlow `Variable`:
 
     * `numpy()` and `__array__` call the same methods of the wrapped
       `tf.Variable`, which a `ShardedVariable` lacks ("'ShardedVariable' object
@@ -426,85 +427,90 @@ def patch_variables_for_parameter_servers() -> None:
       under the key and shape one device saves, so a checkpoint moves
       between sharded and unsharded models; restoring assigns it (split).
     """
-    if "variable_numpy" in _originals:
-        return
+    patches.install_named(*(f"Variable.{name}" for name in _PATCHED_VARIABLE_METHODS))
+
+
+def _on_ps(variable) -> bool:
     from keras.src.backend.common.variables import in_stateless_scope
-    from keras.src.backend.tensorflow.core import Variable
     from tensorflow.python.distribute.ps_values import CachingVariable
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-    for name in _PATCHED_VARIABLE_METHODS:
-        _originals[f"variable_{name}"] = getattr(Variable, name)
+    return isinstance(variable._value, (CachingVariable, ShardedVariable)) and not in_stateless_scope()
 
-    def on_ps(variable) -> bool:
-        return isinstance(variable._value, (CachingVariable, ShardedVariable)) and not in_stateless_scope()
 
+def _ps_variable_numpy(original):
+    @functools.wraps(original)
     def numpy(self):
         if is_sharded(self):
             return tf.convert_to_tensor(self.value).numpy()
-        return _originals["variable_numpy"](self)
+        return original(self)
 
+    return numpy
+
+
+def _ps_variable_array(original):
+    @functools.wraps(original)
     def __array__(self, dtype=None):
         if is_sharded(self):
             import numpy as np
 
             return np.asarray(tf.convert_to_tensor(self.value).numpy(), dtype=dtype)
-        return _originals["variable___array__"](self, dtype)
+        return original(self, dtype)
 
-    def assign_add(self, value):
-        if on_ps(self):
-            return self._value.assign_add(tf.cast(value, self._value.dtype))
-        return _originals["variable_assign_add"](self, value)
+    return __array__
 
-    def assign_sub(self, value):
-        if on_ps(self):
-            return self._value.assign_sub(tf.cast(value, self._value.dtype))
-        return _originals["variable_assign_sub"](self, value)
 
+def _ps_variable_increment(method: str):
+    def wrap(original):
+        @functools.wraps(original)
+        def increment(self, value):
+            if _on_ps(self):
+                return getattr(self._value, method)(tf.cast(value, self._value.dtype))
+            return original(self, value)
+
+        return increment
+
+    return wrap
+
+
+def _ps_variable_serialize(original):
+    @functools.wraps(original)
     def _serialize_to_tensors(self):
         if is_sharded(self):
             return {"VARIABLE_VALUE": tf.convert_to_tensor(self._value)}
-        return _originals["variable__serialize_to_tensors"](self)
+        return original(self)
 
-    Variable._serialize_to_tensors = _serialize_to_tensors
-    Variable.numpy = numpy
-    Variable.__array__ = __array__
-    Variable.assign_add = assign_add
-    Variable.assign_sub = assign_sub
+    return _serialize_to_tensors
 
 
-def replace_number_conversions() -> None:
-    """`int(v)` and `float(v)` of a Keras variable whose value is a distributed variable.
+def _number_conversion(convert):
+    """Wrapper of Keras's `Variable.__int__`/`__float__` (registry: `Variable.__int__`, `Variable.__float__`).
 
-    Keras 3's `Variable.__int__` is `int(self.value)`, and a `MirroredVariable`
-    (any `tf.distribute` variable) has no `__int__`: under every strategy,
-    `int(model.optimizer.iterations)` raises "TypeError: int() argument must
-    be a string, a bytes-like object or a real number, not
+    `int(v)` and `float(v)` of a Keras variable whose value is a distributed
+    variable. Keras 3's `Variable.__int__` is `int(self.value)`, and a
+    `MirroredVariable` (any `tf.distribute` variable) has no `__int__`: under
+    every strategy, `int(model.optimizer.iterations)` raises "TypeError: int()
+    argument must be a string, a bytes-like object or a real number, not
     'MirroredVariable'" (stock `tf.distribute` too; no upstream issue found).
     Such a value is converted from `numpy()` (one replica's copy, which every
     copy equals for mirrored state). Other variables: Keras's own methods.
-    Verified on Keras 3.15 (`keras.src.backend.common.variables.Variable`).
+    Verified on Keras 3.8 to 3.15 (`keras.src.backend.common.variables.Variable`).
     """
-    from keras.src.backend.common.variables import Variable
 
-    def wrapper(convert):
-        def wrap(original):
-            @functools.wraps(original)
-            def method(self):
-                if isinstance(getattr(self, "_value", None), tf.distribute.DistributedValues):
-                    return convert(self.numpy())
-                return original(self)
+    def wrap(original):
+        @functools.wraps(original)
+        def method(self):
+            if isinstance(getattr(self, "_value", None), tf.distribute.DistributedValues):
+                return convert(self.numpy())
+            return original(self)
 
-            return method
+        return method
 
-        return wrap
-
-    replace_method(Variable, "__int__", wrapper(int))
-    replace_method(Variable, "__float__", wrapper(float))
+    return wrap
 
 
-def fold_replica_into_seeds(applies) -> None:
-    """Each replica of a strategy `applies(strategy)` accepts draws its own random numbers.
+def seed_folding(applies):
+    """Wrapper of `SeedGenerator.next` (registry: `SeedGenerator.next`): each replica of a strategy `applies(strategy)` accepts draws its own random numbers.
 
     Keras 3 layers draw from a `SeedGenerator` (`Dropout`, `GaussianNoise`,
     `RandomFlip` and the other augmentation layers, `keras.random.*(seed=
@@ -523,9 +529,8 @@ def fold_replica_into_seeds(applies) -> None:
     first share of the batch, and the state advances as on one device. The
     counter still advances every step, so every replica's draws change each
     step. Outside such a strategy (or with one replica): Keras's own `next`.
-    Verified on Keras 3.5 to 3.15 (`keras.src.random.seed_generator.SeedGenerator`).
+    Verified on Keras 3.8 to 3.15 (`keras.src.random.seed_generator.SeedGenerator`).
     """
-    from keras.src.random.seed_generator import SeedGenerator
 
     def wrap(original):
         @functools.wraps(original)
@@ -543,20 +548,7 @@ def fold_replica_into_seeds(applies) -> None:
 
         return next
 
-    replace_method(SeedGenerator, "next", wrap)
-
-
-def restore_seed_folding() -> None:
-    from keras.src.random.seed_generator import SeedGenerator
-
-    restore_method(SeedGenerator, "next")
-
-
-def restore_number_conversions() -> None:
-    from keras.src.backend.common.variables import Variable
-
-    restore_method(Variable, "__int__")
-    restore_method(Variable, "__float__")
+    return wrap
 
 
 def holds_shards(source) -> bool:
@@ -572,7 +564,19 @@ def holds_shards(source) -> bool:
     return isinstance(source, keras.Variable) and isinstance(getattr(source, "_value", None), ShardedVariable)
 
 
-_unscaled_losses: dict = {}
+_unscaled_losses = threading.local()
+
+
+def _unscaled_loss_scaling(original):
+    """Wrapper of `scale_loss_for_distribution` (registry: `loss.scale_loss_for_distribution`)."""
+
+    @functools.wraps(original)
+    def scale_loss_for_distribution(value):
+        if getattr(_unscaled_losses, "depth", 0):
+            return value
+        return original(value)
+
+    return scale_loss_for_distribution
 
 
 def keras_losses_unscaled():
@@ -584,27 +588,13 @@ def keras_losses_unscaled():
     returns the mean loss over its replica's batch however it computed it
     (a Keras loss object or `tf.reduce_mean`), and the runner weights it by
     the batch size itself; inside this context (per thread: MirroredStrategy
-    runs replicas in threads) Keras leaves the loss unscaled. The wrapper is
-    installed once and defers to Keras outside the context. Verified on Keras
-    3.5 to 3.15.
+    runs replicas in threads) Keras leaves the loss unscaled. The registry's
+    `loss.scale_loss_for_distribution` (installed with every tfdist strategy,
+    and here if not yet) defers to Keras outside the context. Verified on
+    Keras 3.8 to 3.15 (3.8 made Keras scale a replica's loss).
     """
-    import contextlib
-    import threading
-
-    from keras.src.losses import loss as loss_module
-
-    if "state" not in _unscaled_losses:
-        state = threading.local()
-        original = loss_module.scale_loss_for_distribution
-
-        def scale_loss_for_distribution(value):
-            if getattr(state, "depth", 0):
-                return value
-            return original(value)
-
-        loss_module.scale_loss_for_distribution = scale_loss_for_distribution
-        _unscaled_losses["state"] = state
-    state = _unscaled_losses["state"]
+    patches.install_named("loss.scale_loss_for_distribution")
+    state = _unscaled_losses
 
     @contextlib.contextmanager
     def scope():
@@ -617,7 +607,38 @@ def keras_losses_unscaled():
     return scope()
 
 
-_reduction_records: dict = {}
+_reduction_records = threading.local()
+
+
+def _recording_reductions(original):
+    """Wrapper of `reduce_weighted_values` (registry: `loss.reduce_weighted_values`); see `recording_loss_reductions`."""
+    from keras.src.losses import loss as loss_module
+
+    state = _reduction_records
+
+    @functools.wraps(original)
+    def reduce_weighted_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size",
+                               dtype=None):
+        records = getattr(state, "records", None)
+        if records is not None:
+            kind = loss_module.standardize_reduction(reduction)
+            if kind in (None, "none", "sum"):
+                records.append(("sum", None))
+            elif mask is not None and kind in ("sum_over_batch_size", "mean"):
+                records.append(("tokens", tf.reduce_sum(tf.cast(mask, tf.float32))))
+            elif kind == "mean_with_sample_weight" and (sample_weight is not None or mask is not None):
+                # Keras's divisor: the sample weights (times the mask) as they meet the values.
+                weights = loss_module.apply_mask(
+                    None if sample_weight is None else tf.cast(sample_weight, tf.float32), mask,
+                    dtype=tf.float32, reduction=kind,
+                )
+                _, weights = loss_module.squeeze_or_expand_to_same_rank(tf.cast(values, tf.float32), weights)
+                records.append(("weights", tf.reduce_sum(weights)))
+            else:
+                records.append(("rows", None))
+        return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+
+    return reduce_weighted_values
 
 
 def recording_loss_reductions():
@@ -639,43 +660,12 @@ def recording_loss_reductions():
       device by the whole batch's;
     * `("rows", None)`: any other reduction (a mean over the replica's rows).
 
-    Wraps `keras.src.losses.loss.reduce_weighted_values` once (it defers to
-    Keras and records nothing outside the context). Verified on Keras 3.5 to
-    3.15.
+    Through the registry's `loss.reduce_weighted_values` (installed with every
+    tfdist strategy, and here if not yet; it defers to Keras and records
+    nothing outside the context). Verified on Keras 3.8 to 3.15.
     """
-    from keras.src.losses import loss as loss_module
-
-    if "state" not in _reduction_records:
-        state = threading.local()
-        original = loss_module.reduce_weighted_values
-
-        @functools.wraps(original)
-        def reduce_weighted_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size",
-                                   dtype=None):
-            records = getattr(state, "records", None)
-            if records is not None:
-                kind = loss_module.standardize_reduction(reduction)
-                if kind in (None, "none", "sum"):
-                    records.append(("sum", None))
-                elif mask is not None and kind in ("sum_over_batch_size", "mean"):
-                    records.append(("tokens", tf.reduce_sum(tf.cast(mask, tf.float32))))
-                elif kind == "mean_with_sample_weight" and (sample_weight is not None or mask is not None):
-                    # Keras's divisor: the sample weights (times the mask) as they meet the values.
-                    weights = loss_module.apply_mask(
-                        None if sample_weight is None else tf.cast(sample_weight, tf.float32), mask,
-                        dtype=tf.float32, reduction=kind,
-                    )
-                    _, weights = loss_module.squeeze_or_expand_to_same_rank(tf.cast(values, tf.float32), weights)
-                    records.append(("weights", tf.reduce_sum(weights)))
-                else:
-                    records.append(("rows", None))
-            return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
-
-        loss_module.reduce_weighted_values = reduce_weighted_values
-        _reduction_records["state"] = state
-    state = _reduction_records["state"]
-
-    return _thread_setting(state, "records", [])
+    patches.install_named("loss.reduce_weighted_values")
+    return _thread_setting(_reduction_records, "records", [])
 
 
 @contextlib.contextmanager
@@ -689,7 +679,31 @@ def _thread_setting(state: threading.local, name: str, value):
         setattr(state, name, outer)
 
 
-_output_loss_weights: dict = {}
+_output_loss_weights = threading.local()
+
+
+def _weighted_output_losses(original):
+    """Wrapper of `CompileLoss.call` (registry: `CompileLoss.call`); see `output_losses_weighted`."""
+    state = _output_loss_weights
+
+    @functools.wraps(original)
+    def call(self, y_true, y_pred, sample_weight=None):
+        weight = getattr(state, "weight", None)
+        metrics = self._metrics
+        losses = getattr(self, "_flat_losses", None)
+        if weight is None or not metrics or losses is None or len(losses) != len(metrics):
+            return original(self, y_true, y_pred, sample_weight)
+        replicas = float(tf.distribute.get_replica_context().num_replicas_in_sync)
+        self._metrics = [
+            _WeightedMetric(m, 1.0 / replicas if _sums(entry[1]) else weight)
+            for entry, m in zip(losses, metrics)
+        ]
+        try:
+            return original(self, y_true, y_pred, sample_weight)
+        finally:
+            self._metrics = metrics
+
+    return call
 
 
 class _WeightedMetric:
@@ -752,37 +766,14 @@ def output_losses_weighted(weight):
     `"sum"` or `"none"`) reaches the metric as N times its share's sum (Keras
     unscales it): counted 1/N, the shares add up to the batch's sum. A mean
     over a padding mask's entries or over sample weights is weighted by rows,
-    as the logged total loss is. Wraps `CompileLoss.call` once (it defers to
+    as the logged total loss is. Through the registry's `CompileLoss.call`
+    (installed with every tfdist strategy, and here if not yet; it defers to
     Keras outside the context; per thread: MirroredStrategy traces replicas in
     threads); a Keras without `CompileLoss._flat_losses` keeps its own
     weighting. Verified on Keras 3.15.
     """
-    from keras.src.trainers.compile_utils import CompileLoss
-
-    if "state" not in _output_loss_weights:
-        state = threading.local()
-        original = CompileLoss.call
-
-        @functools.wraps(original)
-        def call(self, y_true, y_pred, sample_weight=None):
-            weight = getattr(state, "weight", None)
-            metrics = self._metrics
-            losses = getattr(self, "_flat_losses", None)
-            if weight is None or not metrics or losses is None or len(losses) != len(metrics):
-                return original(self, y_true, y_pred, sample_weight)
-            replicas = float(tf.distribute.get_replica_context().num_replicas_in_sync)
-            self._metrics = [
-                _WeightedMetric(m, 1.0 / replicas if _sums(entry[1]) else weight)
-                for entry, m in zip(losses, metrics)
-            ]
-            try:
-                return original(self, y_true, y_pred, sample_weight)
-            finally:
-                self._metrics = metrics
-
-        CompileLoss.call = call
-        _output_loss_weights["state"] = state
-    state = _output_loss_weights["state"]
+    patches.install_named("CompileLoss.call")
+    state = _output_loss_weights
 
     return _thread_setting(state, "weight", weight)
 
@@ -1123,20 +1114,26 @@ def stateless_scope():
     return get_stateless_scope()
 
 
-def unpatch_variables_for_parameter_servers() -> None:
-    """Restores the Keras `Variable` methods `patch_variables_for_parameter_servers` replaced."""
-    if "variable_numpy" not in _originals:
-        return
-    from keras.src.backend.tensorflow.core import Variable
-
-    for name in _PATCHED_VARIABLE_METHODS:
-        setattr(Variable, name, _originals.pop(f"variable_{name}"))
-
-
 # ---------------------------------------------------------------------------
-# Where tfdist's integration hooks in (tfdist.keras_integration decides what
-# the hooks do; this module only knows Keras's private names for the places).
+# The wrappers this module provides to the patch registry (tfdist._compat.patches);
+# tfdist.keras_integration provides the integration's.
 # ---------------------------------------------------------------------------
+
+
+def patch_implementations() -> dict:
+    """`{patch name: wrapper(original) -> replacement}` for the registry's accessor-level patches."""
+    return {
+        "Variable.__int__": _number_conversion(int),
+        "Variable.__float__": _number_conversion(float),
+        "loss.scale_loss_for_distribution": _unscaled_loss_scaling,
+        "loss.reduce_weighted_values": _recording_reductions,
+        "CompileLoss.call": _weighted_output_losses,
+        "Variable.numpy": _ps_variable_numpy,
+        "Variable.__array__": _ps_variable_array,
+        "Variable.assign_add": _ps_variable_increment("assign_add"),
+        "Variable.assign_sub": _ps_variable_increment("assign_sub"),
+        "Variable._serialize_to_tensors": _ps_variable_serialize,
+    }
 
 
 def trainer_base_class():
@@ -1144,51 +1141,6 @@ def trainer_base_class():
     from keras.src.trainers.trainer import Trainer
 
     return Trainer
-
-
-def replace_method(cls, name: str, wrapper) -> None:
-    """Sets `cls.<name>` to `wrapper(original)`, remembering the original for `restore_method`."""
-    key = (cls, name)
-    if key not in _replaced:
-        _replaced[key] = cls.__dict__.get(name, getattr(cls, name))
-    setattr(cls, name, wrapper(_replaced[key]))
-
-
-def restore_method(cls, name: str) -> None:
-    """Undoes `replace_method(cls, name, ...)`; no-op when it was not replaced."""
-    original = _replaced.pop((cls, name), None)
-    if original is not None:
-        setattr(cls, name, original)
-
-
-def replaced(cls, name: str) -> bool:
-    return (cls, name) in _replaced
-
-
-def replace_symbolic_build(wrapper) -> None:
-    """Wraps Keras's `TensorFlowTrainer._maybe_symbolic_build` (verified on Keras 3.5 to 3.15)."""
-    replace_method(trainer_class(), "_maybe_symbolic_build", wrapper)
-
-
-def restore_symbolic_build() -> None:
-    restore_method(trainer_class(), "_maybe_symbolic_build")
-
-
-def replace_default_dtype_policy(wrapper) -> None:
-    """Wraps `keras.src.dtype_policies.dtype_policy.dtype_policy`, which every layer reads at
-    construction (`dtype_policies.get(None)` and `DTypePolicy(None)` call it)."""
-    from keras.src.dtype_policies import dtype_policy as dtype_policy_module
-
-    if "dtype_policy" not in _originals:
-        _originals["dtype_policy"] = dtype_policy_module.dtype_policy
-    dtype_policy_module.dtype_policy = wrapper(_originals["dtype_policy"])
-
-
-def restore_default_dtype_policy() -> None:
-    from keras.src.dtype_policies import dtype_policy as dtype_policy_module
-
-    if "dtype_policy" in _originals:
-        dtype_policy_module.dtype_policy = _originals.pop("dtype_policy")
 
 
 def base_optimizer_class():
@@ -1280,15 +1232,6 @@ def backup_and_restore_files(callback) -> tuple[str, str, str, str]:
 def backup_and_restore_position(callback) -> dict:
     """What `BackupAndRestore` writes to `training_metadata.json`: `{"epoch": e, "batch": b}`."""
     return {"epoch": callback._current_epoch, "batch": callback._last_batch_seen}
-
-
-def replace_backup_and_restore_save(wrapper) -> None:
-    """Wraps `BackupAndRestore._save_model`, the one method that writes a backup."""
-    replace_method(keras.callbacks.BackupAndRestore, "_save_model", wrapper)
-
-
-def restore_backup_and_restore_save() -> None:
-    restore_method(keras.callbacks.BackupAndRestore, "_save_model")
 
 
 def is_remote_path(path: str) -> bool:

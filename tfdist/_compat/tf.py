@@ -504,22 +504,20 @@ def cpu_devices_per_worker(k: int):
     all of them, each worker's devices adjacent). GPU and TPU workers are
     unchanged. Verified on TensorFlow 2.21.
     """
-    from tensorflow.python.distribute import collective_all_reduce_strategy as strategy_module
+    from tfdist._compat import patches
 
-    extended = strategy_module.CollectiveAllReduceExtended
-    original = extended._initialize_local_devices
+    def wrap(original):
+        def initialize_local_devices(self, cluster_resolver, worker_device):
+            devices, kind = original(self, cluster_resolver, worker_device)
+            if kind != "CPU":
+                return devices, kind
+            return tuple(f"{worker_device}/device:CPU:{i}" for i in range(k)), kind
 
-    def initialize_local_devices(self, cluster_resolver, worker_device):
-        devices, kind = original(self, cluster_resolver, worker_device)
-        if kind != "CPU":
-            return devices, kind
-        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(k)), kind
+        return initialize_local_devices
 
-    extended._initialize_local_devices = initialize_local_devices
-    try:
+    # The registry's temporary patch: undone when the strategy has initialised.
+    with patches.temporarily("CollectiveAllReduceExtended._initialize_local_devices", wrap):
         yield
-    finally:
-        extended._initialize_local_devices = original
 
 
 def worker_leader_all_reduce(strategy):

@@ -168,9 +168,9 @@ def resolve_strategy(value: StrategyLike) -> tf.distribute.Strategy:
     if isinstance(value, tf.distribute.Strategy):
         return value
     if isinstance(value, str):
-        import tfdist
+        from tfdist import registry
 
-        return tfdist.get_strategy(value)
+        return registry.get_strategy(value)
     strategy = value()
     if not isinstance(strategy, tf.distribute.Strategy):
         raise TypeError(f"The strategy callable in RunConfig returned {type(strategy).__name__}, "

@@ -9,10 +9,11 @@ engine uses for it. Nothing else belongs here: shared step logic lives in
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import tensorflow as tf
 
+from tfdist._compat import patches, versions
 from tfdist.engine import loop
 from tfdist.engine import step as engine_step
 from tfdist.options import Option, TrainingOptions, split_options
@@ -92,13 +93,17 @@ class TfdistStrategy:
         return {}
 
     def _tfdist_init(self, values: dict[str, Any]) -> dict[str, Any]:
-        """Validates constructor arguments; returns the strategy's own parameters."""
-        import tfdist
+        """Checks the installed versions, installs tfdist's patches, validates constructor arguments.
 
-        # A strategy imported from its module (not through `tfdist.<name>`)
-        # still trains through tfdist's Keras hooks.
-        tfdist.install_hooks()
+        Returns the strategy's own parameters. Outside the TensorFlow and Keras
+        versions tfdist supports, raises `UnsupportedVersionError` before
+        anything is patched. The patches (`tfdist._compat.patches`) are those
+        every tfdist strategy needs; a strategy that needs more announces it
+        (`run_creation_hooks`).
+        """
+        versions.check()
         params, step = split_options(self.name, self.PARAMS, values)
+        patches.install()
         self._tfdist_options = step
         self._tfdist_params = params
         return params
@@ -196,23 +201,19 @@ class TfdistStrategy:
         )
 
 
-# Hooks the integration layer (`tfdist.keras_integration`) registers, run when a
-# strategy of a kind is constructed, so that strategies never import the layer
-# above them: "multi_worker" (chief-only callback writes in `fit`) and
-# "parameter_server" (tfdist's fit/evaluate/predict for ClusterCoordinator jobs),
-# "sharded_parameters" (the sharded optimizer's stage 3: tapes and optimizers that
-# take variables held in shards, for custom train steps and loops).
-_CREATION_HOOKS: dict[str, list[Callable[[Any], None]]] = {}
-
-
-def add_creation_hook(kind: str, fn: Callable[[Any], None]) -> None:
-    """Registers `fn(strategy)` to run when a strategy of `kind` is constructed."""
-    _CREATION_HOOKS.setdefault(kind, []).append(fn)
-
-
 def run_creation_hooks(kind: str, strategy: Any) -> None:
-    for fn in _CREATION_HOOKS.get(kind, []):
-        fn(strategy)
+    """Installs the patches a strategy of `kind` needs beyond every strategy's, once it is constructed.
+
+    `kind` is the need the strategy announces: "multi_worker" (chief-only
+    callback writes in `fit`), "parameter_server" (tfdist's
+    fit/evaluate/predict for ClusterCoordinator jobs, Keras variables on ps
+    tasks, tapes over partitioned variables), "sharded_parameters" (the
+    sharded optimizer's stage 3: tapes and optimizers that take variables
+    held in shards). The patches are entries of `tfdist._compat.patches`;
+    their wrappers live in the integration layer, which the `tfdist` package
+    hands to the registry, so no strategy imports the layer above it.
+    """
+    patches.install(kind)
 
 
 def is_tfdist_strategy(strategy: Any) -> bool:
