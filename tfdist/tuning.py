@@ -162,7 +162,7 @@ def tune(
 ) -> dict:
     """Tries the step options on the user's model in this process and returns (and prints) samples/s per setting.
 
-    Each setting builds the strategy (`tfdist.get_strategy(strategy,
+    Each setting builds the strategy (`registry.get_strategy(strategy,
     **strategy_options, **setting)`), calls `build_model()` in its scope, and
     trains `steps` steps after 2 warm-up host calls, timed by a `StepReport`
     without the profiler. See the module's doc for the settings.
@@ -197,15 +197,14 @@ def tune(
     strategy = tfdist.from_config("tuned.toml")
     ```
     """
-    import tfdist
+    from tfdist import registry
     from tfdist.callbacks import StepReport
-    from tfdist.registry import strategy_class
 
     _check_search(bucket_mib, sink_sizes, steps)
-    cls = strategy_class(strategy) if strategy in tfdist.strategy_names() else None
+    cls = registry.strategy_class(strategy) if strategy in registry.strategy_names() else None
     if cls is None:
-        raise ValueError(f"Unknown strategy name {strategy!r}. Valid names: {tfdist.strategy_names()}.")
-    probe = tfdist.get_strategy(strategy, **strategy_options)
+        raise ValueError(f"Unknown strategy name {strategy!r}. Valid names: {registry.strategy_names()}.")
+    probe = registry.get_strategy(strategy, **strategy_options)
     defaults = {**probe.options.as_dict(), **strategy_options}
     if defaults.get("sink_size") is None:
         defaults["sink_size"] = 1
@@ -215,7 +214,7 @@ def tune(
 
     def run(changed: dict) -> None:
         options = {**strategy_options, **changed}
-        trial_strategy = tfdist.get_strategy(strategy, **options)
+        trial_strategy = registry.get_strategy(strategy, **options)
         with trial_strategy.scope():
             model = build_model()
         sink = changed.get("sink_size", defaults.get("sink_size") or 1)
