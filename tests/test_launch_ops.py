@@ -139,7 +139,8 @@ def test_sighup_and_sigterm_stop_the_job_killing_a_task_that_ignores_sigterm(tmp
         if role == "worker:1":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
     """) + textwrap.dedent(WRITE_PID_AND_SERVE)
-    launcher = start_launcher(tmp_path, body, workers=2, STOP_GRACE_S=1.0)
+    # After a signal to the launcher, tasks get the grace period to save (none here) before SIGKILL.
+    launcher = start_launcher(tmp_path, body, workers=2, STOP_GRACE_S=1.0, GRACE_PERIOD_S=0.5)
     pids = {}
     try:
         pids = wait_for_pids(tmp_path, ["worker:0", "worker:1"], launcher)

@@ -27,6 +27,7 @@ LAYERS = {
     "tfdist.engine": 3,
     "tfdist.strategies": 4,
     "tfdist.precision": 5, "tfdist.memory": 5, "tfdist.keras_integration": 5, "tfdist.checkpointing": 5,
+    "tfdist.resume": 5, "tfdist.preemption": 5,
     "tfdist.estimator": 5,
     "tfdist.registry": 5, "tfdist.launch": 5, "tfdist.demo": 6, "tfdist.cli": 6, "tfdist": 7,
 }
@@ -38,6 +39,7 @@ OWN_PRIVATE = {
     ("tfdist.estimator.estimator", "_call_model_fn"),  # Estimator's, as in TF1's Estimator
     ("tfdist.options", "_values"),  # TrainingOptions.__eq__
     ("tfdist.strategies.parameter_server", "_exit"),  # os._exit: a documented os function
+    ("tfdist.preemption", "_exit"),  # os._exit: a documented os function
 }
 
 
