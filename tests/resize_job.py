@@ -67,13 +67,12 @@ class Trace(keras.callbacks.Callback):
     def __init__(self, path: str, fail_after: int | None, step_seconds: float):
         super().__init__()
         self.path, self.fail_after, self.step_seconds = path, fail_after, step_seconds
-        self.last, self.trained = None, 0
+        self.trained = 0
 
     def on_train_batch_end(self, batch, logs=None):
+        if not logs:
+            return  # a batch the resumed epoch skipped: already in the restored weights
         step = int(self.model.optimizer.iterations.numpy())
-        if step == self.last:
-            return  # a batch the resumed epoch skipped
-        self.last = step
         self.trained += 1
         with open(self.path, "a") as f:
             f.write(f"{step}\n")
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, f"pid-{task}-{run}"), "w") as f:
         f.write(str(os.getpid()))
     model.fit(
-        dataset(), epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, verbose=0,
+        dataset(), epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, verbose=0, shuffle=False,
         # The trace before the backup: a preempted step's batch end reaches it before the save exits.
         callbacks=[trace, keras.callbacks.BackupAndRestore(backup, save_freq=args.save_every or "epoch",
                                                            delete_checkpoint=False)],

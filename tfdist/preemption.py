@@ -214,7 +214,11 @@ class PreemptionWatch:
         if self.target is None and self._peer_target is not None:
             self.target = self._peer_target
         if self.target is None and self.signum is not None:
-            self.target = self._propose() if self.coordinated else self.calls
+            try:
+                self.target = self._propose() if self.coordinated else self.calls
+            except Exception as error:  # the job's coordination service is gone with a peer
+                self._give_up(f"it could not agree on a step with the other workers ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}); the job is ending anyway")
         if self.target is None or self.calls < self.target:
             return
         began = time.monotonic()
@@ -271,7 +275,10 @@ class PreemptionWatch:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _, _ = select.select([read], [], [], timeout)
             if not ready:
-                self._give_up()
+                self._give_up(f"it did not reach a step boundary within the grace period ({self.grace_period:g} s; "
+                              "a peer may be gone, or a step takes longer than that). Raise it with "
+                              "TFDIST_GRACE_PERIOD (tfdist launch --grace-period S) and the cluster manager's "
+                              "grace period")
                 return
             data = os.read(read, 64)
             for signum in data:
@@ -291,13 +298,11 @@ class PreemptionWatch:
                     print("tfdist: SIGINT again: exiting now, without a checkpoint.", flush=True)
                     os._exit(128 + signal.SIGINT)
 
-    def _give_up(self) -> None:
-        signame = signal.Signals(self.signum).name
+    def _give_up(self, why: str) -> None:
+        """Ends the process without a checkpoint (from any thread): the previous backup stays."""
         print(
-            f"tfdist: {self.task} did not reach a step boundary within the grace period ({self.grace_period:g} s "
-            f"after {signame}; a peer may be gone, or a step takes longer): exiting with status "
-            f"{128 + self.signum}, without a checkpoint; the previous backup stays. Raise it with "
-            "TFDIST_GRACE_PERIOD (tfdist launch --grace-period S) and the cluster manager's grace period.",
+            f"tfdist: {self.task} stops on {signal.Signals(self.signum).name} without a checkpoint: {why}. The "
+            f"previous backup stays; exiting with status {128 + self.signum}.",
             flush=True,
         )
         os._exit(128 + self.signum)
