@@ -28,7 +28,8 @@ setup(
     ],
     extras_require={
         "legacy": ["tf-keras>=2.16"],
-        "test": ["pytest>=7", "pytest-xdist>=3", "tf-keras>=2.16", "tensorboard", "ruff"],
+        # kubernetes: the API models tests/test_kubernetes.py validates examples/kubernetes/ against.
+        "test": ["pytest>=7", "pytest-xdist>=3", "tf-keras>=2.16", "tensorboard", "ruff", "kubernetes"],
         # torch: PyTorch DDP in benchmarks/vs_ddp.py (the CPU wheel; skipped there when absent).
         "bench": ["psutil", "torch==2.13.0"],
     },
