@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=None,
                         help="also back up every N steps (default: at each epoch's end); a stop signal saves "
                              "at the next step anyway")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     parser.add_argument("--collective-timeout", type=float, default=None,
                         help="seconds a collective waits for a lost worker before failing (default: 600)")
     # No default: every worker, and every restart, must name the same folder
@@ -81,6 +82,9 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True,
                         help="checkpoints, TensorBoard logs, backups and the final model (shared by all workers)")
     args = parser.parse_args()
+    # The same initial weights and input order in every run and on every worker (the
+    # shuffle's order follows the global seed too).
+    keras.utils.set_random_seed(args.seed)
 
     # The one changed line: was `tf.distribute.MultiWorkerMirroredStrategy()`.
     options = {"cluster": "slurm" if args.slurm else args.cluster}
