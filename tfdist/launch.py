@@ -1048,6 +1048,9 @@ def main(args) -> int:
         env = dict(env or {}, **devices_per_worker_environment(per_worker))
     count = args.workers if isinstance(args.workers, WorkerCount) else WorkerCount(args.workers, args.workers)
     grace = getattr(args, "grace_period", None)
+    if grace is not None and not grace > 0:
+        _say(f"--grace-period must be a number of seconds > 0. Received: --grace-period {grace:g}")
+        return 2
     try:
         if getattr(args, "private_network", False) and not _in_private_network():
             # Usage errors first, in this process, not after re-executing it.
