@@ -148,8 +148,10 @@ def test_a_requeued_sharded_job_saves_on_sigterm_and_resumes_at_another_task_cou
         assert slurm.state(job) in ("PENDING", "RUNNING"), log.read_text()[-3000:] if log.exists() else job
         assert time.monotonic() < deadline, "the job did not train"
         time.sleep(0.1)
+    signalled = time.monotonic()
     slurm.run("scontrol", "requeuehold", job, check=True)
     assert slurm.wait(job, JOB_TIMEOUT_S, until=("PENDING",)) == "PENDING"
+    print(f"\nseconds from requeuehold to the requeued job pending: {time.monotonic() - signalled:.2f}")
     first = log.read_text()
     slurm.run("scancel", job, check=True)
     saved = json.loads((model_dir / "backup" / "training_metadata.json").read_text())["tfdist"]
@@ -163,8 +165,14 @@ def test_a_requeued_sharded_job_saves_on_sigterm_and_resumes_at_another_task_cou
     shutil.copytree(model_dir / "backup", snapshot)
 
     # Submitted again at 1 task (2 replicas), same MODEL_DIR.
+    submitted = time.monotonic()
     job = slurm.sbatch(["--ntasks=1", f"--output={tmp_path}/second-%j.out", SBATCH, *args],
                        job_environment(model_dir, **devices), cwd=ROOT)
+    second_log = tmp_path / f"second-{job}.out"
+    while slurm.state(job) in ("PENDING", "RUNNING") and not (
+            second_log.exists() and f"0: {steps}/{steps} - " in second_log.read_text()):
+        time.sleep(0.1)
+    print(f"seconds from sbatch to the resumed epoch's end at 1 task: {time.monotonic() - submitted:.2f}")
     state = slurm.wait(job, JOB_TIMEOUT_S)
     second = (tmp_path / f"second-{job}.out").read_text()
     assert state == "COMPLETED", second[-3000:]
