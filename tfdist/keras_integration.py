@@ -86,10 +86,16 @@ def _check_one_process_strategy(model) -> None:
     `mirrored`, `central_storage` and the one-host sharded optimizer train on
     this process's devices only: under `tfdist launch --workers 2` (TF_CONFIG
     of 2 training tasks) or `srun -n 2`, every process trained its own copy on
-    the whole input and wrote the same checkpoints, and the job exited 0.
+    the whole input and wrote the same checkpoints, and the job exited 0. A
+    strategy in a cluster (multi_worker, parameter_server) has a cluster
+    resolver with a cluster spec; `multi_worker` under `srun` without
+    `cluster="slurm"` has none, and is refused too.
     """
     strategy = kc.model_strategy(model)
-    if not is_tfdist_strategy(strategy) or getattr(strategy, "cluster_config", None) is not None:
+    if not is_tfdist_strategy(strategy):
+        return
+    resolver = strategy.cluster_resolver  # tf.distribute's: None, or an empty spec, for one process
+    if resolver is not None and resolver.cluster_spec().as_dict():
         return
     from tfdist import cluster as cluster_lib
 
