@@ -505,6 +505,18 @@ def test_a_worker_range_that_is_not_one_is_a_usage_error(flags, message, capsys)
     assert capsys.readouterr().err.endswith(f"tfdist launch: error: {message}\n")
 
 
+def test_a_warning_is_not_named_as_the_last_error_of_a_failed_task(tmp_path, capsys):
+    command = script(tmp_path, """
+        print("epoch 3 done", flush=True)
+        print("WARNING:tensorflow:From /x/failure_handling.py:805: PreemptionCheckpointHandler.total_run_calls "
+              "(from tensorflow.python.distribute.failure_handling.failure_handling) is deprecated", flush=True)
+        sys.exit(42)
+    """)
+    assert run_job(command, workers=1) == 42
+    assert capsys.readouterr().err.endswith(
+        "tfdist launch: summary: worker:0  exited with status 42  restarts 0  last error: epoch 3 done\n")
+
+
 # Worker WORKERS:INDEX (of a job of that many) fails at once; the others print and succeed.
 LOSES_A_WORKER = """
     size = len(config["cluster"]["worker"])

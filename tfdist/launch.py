@@ -138,6 +138,8 @@ _SHUTDOWN_CONTINUATION = re.compile(
     r"^/job:\w+/replica:\d+/task:\d+$|^The tasks have crashed\. |^Additional GRPC error information from remote"
     r"|^:UNKNOWN:Error received from peer"
 )
+# A warning line (Python's, TensorFlow's logger's, its C++ log's), never the summary's "last error".
+_WARNING_LINE = re.compile(r"^WARNING:|^W\d{4} |Warning: |^\s+warnings\.warn\(|is deprecated")
 # A line that reports an error, for the summary's "last error".
 _ERROR_LINE = re.compile(r"Error\b|Exception\b|^Traceback|^[EF]\d{4} |FATAL|Fatal|Killed|Aborted|error:")
 
@@ -211,12 +213,14 @@ class _Task:
         return f"{self.job}:{self.index}"
 
     def last_error(self) -> Optional[str]:
-        """The last line that reports an error, else (for a failed run) its last line."""
+        """The last line that reports an error, else (for a failed run) its last line that is not a warning."""
         lines = [line.strip() for line in list(self.tail) if line.strip()]
         for line in reversed(lines):
             if _ERROR_LINE.search(line):
                 return line
-        return lines[-1] if lines else None
+        # A deprecation warning says nothing of why the process ended.
+        plain = [line for line in lines if not _WARNING_LINE.search(line)]
+        return (plain or lines)[-1] if lines else None
 
 
 @dataclasses.dataclass
