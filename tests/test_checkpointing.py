@@ -92,8 +92,10 @@ def listing(folder) -> list[str]:
 
 
 def metadata(out) -> dict:
+    """Keras's part of the backup's metadata: the epoch to resume at and the batch."""
     with open(out / "backup" / "training_metadata.json") as f:
-        return json.load(f)
+        data = json.load(f)
+    return {"epoch": data["epoch"], "batch": data["batch"]}
 
 
 def reference_weights(epochs: int) -> list:
