@@ -90,3 +90,14 @@ def test_one_optimizer_for_two_models_is_refused_at_the_second_compile_with_the_
     )
     assert not second.compiled
     first.fit(np.ones((4, 8), np.float32), np.zeros((4, 3), np.float32), verbose=0)
+
+
+def test_preemption_settings_are_validated_and_named():
+    from tfdist import preemption
+
+    with pytest.raises(tfdist.OptionError) as error:
+        preemption.configure(grace_period=0)
+    assert str(error.value) == "option 'grace_period' must be a number of seconds > 0. Received: grace_period=0"
+    with pytest.raises(tfdist.OptionError) as error:
+        preemption.configure(exit_code=300)
+    assert str(error.value) == "option 'exit_code' must be an integer exit status in 0..255. Received: exit_code=300"

@@ -84,7 +84,9 @@ def test_the_sharded_optimizer_saved_at_4_replicas_resumes_at_2_like_a_2_replica
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
                                       keras.layers.Dense(10)])
-            model.compile(optimizer=keras.optimizers.Adam(1e-2),
+            # A schedule: the resumed run's learning rate follows the restored step count.
+            schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=4, decay_rate=0.5)
+            model.compile(optimizer=keras.optimizers.Adam(schedule),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 

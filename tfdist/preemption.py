@@ -77,6 +77,36 @@ EXIT_CODE = Option(
 
 SIGNALS = ("SIGTERM", "SIGINT")
 
+# Set by `configure`; None: the options' defaults (environment, then built-in).
+_configured: dict = {"grace_period": None, "exit_code": None}
+
+
+def configure(grace_period: Optional[float] = None, exit_code: Optional[int] = None) -> None:
+    """Sets this process's preemption settings, for every later `fit` (over the environment's).
+
+    Args:
+        grace_period: Optional float. Seconds from a stop signal to the end of
+            the process (default 30 s, environment `TFDIST_GRACE_PERIOD`, set
+            for every task by `tfdist launch --grace-period S`). `None` keeps
+            the current setting.
+        exit_code: Optional int. The status a worker exits with once it saved
+            (default 0, environment `TFDIST_PREEMPTION_EXIT_CODE`). `None`
+            keeps the current setting.
+
+    Raises:
+        tfdist.OptionError: a value is out of range; the message names it.
+
+    Example:
+
+    ```python
+    tfdist.preemption.configure(grace_period=110)   # Slurm with KillWait=120
+    ```
+    """
+    if grace_period is not None:
+        _configured["grace_period"] = float(GRACE_PERIOD.validate(grace_period))
+    if exit_code is not None:
+        _configured["exit_code"] = EXIT_CODE.validate(exit_code)
+
 # Acknowledgements are awaited at most this long per poll (seconds).
 _POLL_S = 1.0
 _STOP = 0  # written to the wake-up pipe to end the reader thread (no signal has number 0)
@@ -97,10 +127,11 @@ class PreemptionWatch:
         strategy: the model's tfdist strategy (its `cluster_config`, when it
             has one, names the job's workers).
         grace_period: Optional float. Seconds from the signal to the end of
-            the process; default `GRACE_PERIOD` (30 s, environment
-            `TFDIST_GRACE_PERIOD`, `tfdist launch --grace-period S`).
+            the process; default `configure`'s, else `GRACE_PERIOD` (30 s,
+            environment `TFDIST_GRACE_PERIOD`, `tfdist launch --grace-period S`).
         exit_code: Optional int. Status of the process after the save;
-            default 0 (environment `TFDIST_PREEMPTION_EXIT_CODE`).
+            default `configure`'s, else 0 (environment
+            `TFDIST_PREEMPTION_EXIT_CODE`).
 
     Example:
 
@@ -117,6 +148,8 @@ class PreemptionWatch:
     """
 
     def __init__(self, strategy, grace_period: Optional[float] = None, exit_code: Optional[int] = None):
+        grace_period = _configured["grace_period"] if grace_period is None else grace_period
+        exit_code = _configured["exit_code"] if exit_code is None else exit_code
         self.grace_period = float(
             GRACE_PERIOD.resolve_default() if grace_period is None else GRACE_PERIOD.validate(grace_period)
         )
