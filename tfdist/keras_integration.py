@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from tfdist import checkpointing
 from tfdist._compat import keras as kc
+from tfdist._compat import tf as tfc
 from tfdist.data import sinking
 from tfdist.strategies.base import add_creation_hook, is_tfdist_strategy
 
@@ -87,15 +88,14 @@ def _check_one_process_strategy(model) -> None:
     this process's devices only: under `tfdist launch --workers 2` (TF_CONFIG
     of 2 training tasks) or `srun -n 2`, every process trained its own copy on
     the whole input and wrote the same checkpoints, and the job exited 0. A
-    strategy in a cluster (multi_worker, parameter_server) has a cluster
-    resolver with a cluster spec; `multi_worker` under `srun` without
-    `cluster="slurm"` has none, and is refused too.
+    strategy of several processes (multi_worker, parameter_server) passes;
+    `multi_worker` under `srun` without `cluster="slurm"` is one local
+    process, and is refused too.
     """
     strategy = kc.model_strategy(model)
     if not is_tfdist_strategy(strategy):
         return
-    resolver = strategy.cluster_resolver  # tf.distribute's: None, or an empty spec, for one process
-    if resolver is not None and resolver.cluster_spec().as_dict():
+    if tfc.spans_processes(strategy):
         return
     from tfdist import cluster as cluster_lib
 

@@ -629,3 +629,18 @@ def get_key_value(key: str, timeout_s: float):
         return context.context().get_config_key_value(key, max(1, int(timeout_s * 1000)))
     except tf.errors.DeadlineExceededError:
         return None
+
+
+def spans_processes(strategy) -> bool:
+    """Whether a strategy trains across processes.
+
+    Its extended's `_in_multi_worker_mode()` (TensorFlow 2.16 to 2.21: False for
+    mirrored, central storage and a one-worker collective strategy, True for a
+    collective strategy of several workers), or, for `ParameterServerStrategyV2`
+    (whose extended says False), the cluster resolver it keeps as
+    `_cluster_resolver` with a cluster in it.
+    """
+    if strategy.extended._in_multi_worker_mode():
+        return True
+    resolver = getattr(strategy, "_cluster_resolver", None)
+    return bool(resolver is not None and resolver.cluster_spec().as_dict().get("ps"))
