@@ -9,6 +9,12 @@ SIGTERM, SIGHUP), and on Linux each also gets SIGTERM from the kernel if the
 launcher dies without stopping it (SIGKILL included), so no job outlives its
 launcher.
 
+A stop signal to the launcher (SIGINT, SIGTERM, SIGHUP) is passed to every
+task as SIGTERM, and the tasks get `grace_period` seconds to save at their
+next step boundary (`tfdist.preemption`) before SIGKILL; when every worker
+says it saved, the launcher exits 0. With `min_workers` (`--workers MIN:MAX`)
+a worker that keeps failing is dropped and the job goes on with the others.
+
 The job's status is the chief's (with `chief=True`) or else the workers':
 when they have all finished, parameter servers and the evaluator, which serve
 until stopped, are stopped and the launcher returns. If a training process
