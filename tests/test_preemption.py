@@ -86,6 +86,12 @@ def metadata(backup) -> dict:
     return json.loads((backup / "training_metadata.json").read_text())
 
 
+def describe(saved: dict) -> str:
+    """A backup's position as the workers' lines say it (epochs 1-based)."""
+    return (f"epoch {saved['epoch'] + 1}, step {saved['tfdist']['steps_done']} of {STEPS} "
+            f"(optimizer step {saved['tfdist']['optimizer_step']})")
+
+
 def plain_model():
     """The job's model in plain Keras (no strategy), its optimizer built so a checkpoint loads whole."""
     model = job.build()
@@ -131,8 +137,8 @@ def test_signals_and_a_lost_worker_stop_the_job_and_it_resumes_at_other_sizes_wi
     step_a = saved["tfdist"]["optimizer_step"]
     # Both workers trained exactly the saved steps: no step after it, none lost before it.
     assert steps(a, "worker0", 1) == steps(a, "worker1", 1) == list(range(1, step_a + 1))
-    assert saved["tfdist"]["workers"] == 2 and saved["tfdist"]["steps_done"] == step_a % STEPS
-    position = f"epoch {step_a // STEPS + 1}, step {step_a % STEPS} of {STEPS} (optimizer step {step_a})"
+    assert saved["tfdist"]["workers"] == 2 and saved["epoch"] * STEPS + saved["tfdist"]["steps_done"] == step_a
+    position = describe(saved)
     assert f"[worker:1] tfdist: preempted (SIGTERM): worker:1 saved {position} to its own temporary copy" in out
     assert f"[worker:0] tfdist: preempted (stop signal to another task): worker:0 saved {position} to {a / 'backup'}" \
         in out
@@ -161,7 +167,7 @@ def test_signals_and_a_lost_worker_stop_the_job_and_it_resumes_at_other_sizes_wi
     assert steps(b, "worker1", 2) == two == list(range(step_b + 1, EPOCHS * STEPS + 1))
     figures["B: steps repeated after the lost worker"] = three[-1] - step_b
     assert json.loads((b / "final.json").read_text()) == {"iterations": EPOCHS * STEPS, "workers": 2}
-    where = f"epoch {step_b // STEPS + 1}, step {step_b % STEPS} of {STEPS} (optimizer step {step_b})"
+    where = describe(resumed)
     assert ("tfdist launch: worker:2 failed 1 time(s), more than --restarts 0 allows: restarting the job with the "
             "remaining 2 worker(s) (at least 2), resuming from its last checkpoint in 1 s.") in out
     assert ("tfdist launch: summary: the job went from 3 to 2 workers after worker:2 failed 1 time(s), more than "

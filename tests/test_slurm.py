@@ -154,10 +154,11 @@ def test_a_requeued_sharded_job_saves_on_sigterm_and_resumes_at_another_task_cou
     print(f"\nseconds from requeuehold to the requeued job pending: {time.monotonic() - signalled:.2f}")
     first = log.read_text()
     slurm.run("scancel", job, check=True)
-    saved = json.loads((model_dir / "backup" / "training_metadata.json").read_text())["tfdist"]
+    metadata = json.loads((model_dir / "backup" / "training_metadata.json").read_text())
+    saved, saved_epoch = metadata["tfdist"], metadata["epoch"]
     step = saved["optimizer_step"]
     assert steps <= step < epochs * steps and (saved["workers"], saved["replicas"]) == (2, 4)
-    position = f"epoch {step // steps + 1}, step {step % steps} of {steps} (optimizer step {step})"
+    position = f"epoch {saved_epoch + 1}, step {saved['steps_done']} of {steps} (optimizer step {step})"
     assert f"0: tfdist: preempted (stop signal to another task): worker:0 saved {position}" in first \
         or f"0: tfdist: preempted (SIGTERM): worker:0 saved {position} to {model_dir / 'backup'}" in first
     assert "1: tfdist: preempted (" in first and f"worker:1 saved {position} to its own temporary copy" in first
@@ -176,7 +177,9 @@ def test_a_requeued_sharded_job_saves_on_sigterm_and_resumes_at_another_task_cou
     state = slurm.wait(job, JOB_TIMEOUT_S)
     second = (tmp_path / f"second-{job}.out").read_text()
     assert state == "COMPLETED", second[-3000:]
-    assert (f"0: tfdist: resumed from {model_dir / 'backup'} at {position}: the next step is {step % steps + 1} "
+    following = (f"the next step is {saved['steps_done'] + 1}" if saved["steps_done"] < steps
+                 else "its steps are done; the epoch ends")
+    assert (f"0: tfdist: resumed from {model_dir / 'backup'} at {position}: {following} "
             "(saved by 2 worker(s), 4 replica(s); now 1, 2).") in second
     # Each segment against mirrored at its replica count: 4 up to the backup, 2 from it to the end.
     before = mirrored_reference(module, DEVICES[4], step, batch)

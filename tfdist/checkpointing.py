@@ -64,7 +64,7 @@ import h5py
 import keras
 import numpy as np
 
-from tfdist import preemption, resume
+from tfdist import launch, preemption, resume
 from tfdist._compat import keras as kc
 from tfdist.engine.loop import KERAS_FIT
 from tfdist.strategies.base import is_tfdist_strategy
@@ -707,9 +707,14 @@ def _patched_backup_restore(original):
             workers, replicas = _job_size(strategy)
             saved_by = (f"saved by {position.workers} worker(s), {position.replicas} replica(s); now {workers}, "
                         f"{replicas}" if position.workers is not None else "saved by Keras's own callback")
-            print(f"tfdist: resumed from {os.fspath(self.backup_dir)} at {position.describe(steps)}: "
-                  f"{'the next step is ' + str(position.steps_done + 1) if position.steps_done else 'the epoch begins'}"
-                  f" ({saved_by}).", flush=True)
+            if not position.steps_done:
+                following = "the epoch begins"
+            elif steps and position.steps_done >= steps:
+                following = "its steps are done; the epoch ends"
+            else:
+                following = f"the next step is {position.steps_done + 1}"
+            print(f"{launch.RESUMED_PREFIX}{os.fspath(self.backup_dir)} at {position.describe(steps)}: {following} "
+                  f"({saved_by}).", flush=True)
         return None
 
     return on_train_begin
