@@ -34,7 +34,8 @@ setup(
     ],
     extras_require={
         "legacy": [requirement("tf-keras")],
-        "test": ["pytest>=7", "pytest-xdist>=3", requirement("tf-keras"), "tensorboard", "ruff"],
+        # kubernetes: the API models tests/test_kubernetes.py validates examples/kubernetes/ against.
+        "test": ["pytest>=7", "pytest-xdist>=3", requirement("tf-keras"), "tensorboard", "ruff", "kubernetes"],
         # torch: PyTorch DDP in benchmarks/vs_ddp.py (the CPU wheel; skipped there when absent).
         "bench": ["psutil", "torch==2.13.0"],
     },

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,8 +92,10 @@ def listing(folder) -> list[str]:
 
 
 def metadata(out) -> dict:
+    """Keras's part of the backup's metadata: the epoch to resume at and the batch."""
     with open(out / "backup" / "training_metadata.json") as f:
-        return json.load(f)
+        data = json.load(f)
+    return {"epoch": data["epoch"], "batch": data["batch"]}
 
 
 def reference_weights(epochs: int) -> list:
@@ -319,3 +322,131 @@ def test_non_chief_write_dirs_go_at_exit_and_a_killed_workers_at_the_next_start(
     assert os.path.basename(path).startswith(f"tfdist_worker1_{pid}_")
     assert listing(tmp_path) == [running.name]  # the stale one at the start, the child's own at its exit
     assert multi_worker.remove_stale_write_dirs(str(tmp_path)) == []
+
+
+# ---------------------------------------------------------------------------
+# Errors name the file; checksums; a failed restore changes nothing; a full disk (issue 38, item 5).
+# ---------------------------------------------------------------------------
+
+
+def small_model():
+    with tfdist.get_strategy("mirrored", devices=DEVICES[2]).scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((8, 4), np.float32), np.zeros((8, 3), np.float32), batch_size=4, verbose=0)
+    return model
+
+
+def overwrite_values(path, dataset: str) -> None:
+    """Overwrites the first bytes of `dataset`'s values inside an HDF5 file, as a disk error would."""
+    import h5py
+
+    with h5py.File(path, "r") as h5:
+        offset = h5[dataset].id.get_offset()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\x7f" * 8)
+
+
+def test_a_weights_file_changed_after_its_write_is_an_error_naming_it_and_the_model_keeps_its_weights(tmp_path):
+    model = small_model()
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    before = [w.copy() for w in model.get_weights()]
+    overwrite_values(path, "layers/dense/vars/0")
+    with pytest.raises(checkpointing.CheckpointError) as error:
+        model.load_weights(path)
+    assert str(error.value).startswith(
+        f"Cannot read checkpoint '{path}': its values do not match its SHA-256 (")
+    assert str(error.value).endswith(
+        "The file was changed or damaged after it was written (a copy cut short, a disk error); restore it from "
+        "another copy, or delete it to start over")
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # Keras's own file (no checksum) still loads; a truncated one names the file.
+    keras.Model.save_weights.__wrapped__(model, path)
+    model.load_weights(path)
+    with open(path, "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(checkpointing.CheckpointError, match=rf"^Cannot read checkpoint '{path}': Unable to "
+                                                            r"synchronously open file \(truncated file"):
+        model.load_weights(path)
+
+
+def test_a_keras_file_whose_bytes_changed_fails_its_crc_naming_the_file(tmp_path):
+    model = small_model()
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    data = bytearray(open(path, "rb").read())
+    start = data.index(b"\x89HDF")  # the weights member, stored uncompressed
+    data[start + 2000:start + 2008] = b"\x7f" * 8
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(checkpointing.CheckpointError, match=rf"^Cannot read checkpoint '{path}': member "
+                                                            r"'model.weights.h5' does not match its CRC-32"):
+        model.load_weights(path)
+
+
+def test_a_truncated_backup_metadata_fails_the_restore_before_any_weight_is_loaded(tmp_path):
+    model = small_model()
+    x, y = np.ones((8, 4), np.float32), np.zeros((8, 3), np.float32)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path), delete_checkpoint=False)])
+    meta = tmp_path / "training_metadata.json"
+    meta.write_text(meta.read_text()[:10])
+    with pytest.raises(ValueError) as json_error:
+        json.loads(meta.read_text())
+    fresh = small_model()
+    fresh.set_weights([w + 1 for w in fresh.get_weights()])
+    before = [w.copy() for w in fresh.get_weights()]
+    with pytest.raises(checkpointing.CheckpointError) as error:
+        fresh.fit(x, y, batch_size=4, epochs=2, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path))])
+    assert str(error.value) == (
+        f"Cannot read checkpoint '{meta}': {json_error.value}. The backup's weights were not loaded. Restore the "
+        "file from another copy, or delete the backup folder to start over")
+    for a, b in zip(before, fresh.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+FULL_DISK_JOB = """
+import atexit, os, sys
+import keras, numpy as np, tfdist
+folder = sys.argv[1]
+with tfdist.get_strategy("mirrored", devices=["/cpu:0"]).scope():
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(200), keras.layers.Dense(10)])
+    model.compile(optimizer="adam", loss="mse")
+model.fit(np.zeros((8, 64)), np.zeros((8, 10)), verbose=0)
+path = os.path.join(folder, "m.weights.h5")
+model.save_weights(path)
+print("first", os.path.getsize(path), flush=True)
+# After the traceback: what the failed write left (the tmpfs goes with the process).
+atexit.register(lambda: print("left", os.listdir(folder), tfdist.checkpointing.verify(path) is not None, flush=True))
+model.save_weights(path)
+"""
+
+
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_a_write_that_does_not_fit_beside_the_previous_file_is_an_error_not_a_crash(tmp_path):
+    # A 200 KiB tmpfs of its own (user and mount namespaces): the first 199 KB file fits, a
+    # second copy beside it does not. h5py writing to the full disk segfaults (status -11).
+    folder = tmp_path / "small"
+    folder.mkdir()
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode:
+        pytest.skip("this host does not let the test make a user and mount namespace for a small tmpfs")
+    shell = f'mount -t tmpfs -o size=200k tmpfs {folder} && exec "$@"'
+    done = subprocess.run(["unshare", "-Urm", "sh", "-c", shell, "sh", sys.executable, "-c", FULL_DISK_JOB,
+                           str(folder)], env={**os.environ, **ENV}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 1, done.stderr[-2000:]
+    first, left = done.stdout.splitlines()
+    size = int(first.split()[1])
+    assert 150_000 < size <= 200 * 1024
+    assert left == "left ['m.weights.h5'] True"  # the previous file, whole (its checksum verified)
+    last = done.stderr.strip().splitlines()[-1]
+    path = folder / "m.weights.h5"
+    assert last.startswith(f"tfdist.checkpointing.CheckpointError: [Errno 28] Cannot write checkpoint '{path}': "
+                           f"No space left on device. It needs {size / 1024:.0f} KiB beside the previous file until "
+                           "the rename replaces it; ")
+    assert last.endswith(f" are free in {folder}. Free space there or write elsewhere (docs/operations.md, "
+                         "Checkpoints). The previous checkpoint there is untouched")

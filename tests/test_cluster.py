@@ -260,3 +260,17 @@ def test_validate_jobs_checks_a_cluster_without_a_task():
         "cluster_resolver=SimpleClusterResolver: fields 'cluster.worker[0]' and 'cluster.ps[0]' have the "
         "same address '127.0.0.1:1'; every task needs its own host:port."
     )
+
+
+def test_slurm_tasks_take_their_ports_from_tfdist_slurm_port_base(monkeypatch):
+    monkeypatch.delenv("SLURM_STEP_NODELIST", raising=False)
+    for name, value in {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "node1",
+                        "SLURM_STEP_TASKS_PER_NODE": "2", "TFDIST_SLURM_PORT_BASE": "41000"}.items():
+        monkeypatch.setenv(name, value)
+    config = from_slurm()
+    assert config.cluster == {"worker": ("node1:41000", "node1:41001")} and config.task_id == 1
+    monkeypatch.setenv("TFDIST_SLURM_PORT_BASE", "99999")
+    with pytest.raises(ClusterConfigError) as error:
+        from_slurm()
+    assert str(error.value) == ("Slurm job step: environment variable TFDIST_SLURM_PORT_BASE must be a port in "
+                                "1..65535. Received: TFDIST_SLURM_PORT_BASE='99999'")

@@ -139,7 +139,8 @@ def test_sighup_and_sigterm_stop_the_job_killing_a_task_that_ignores_sigterm(tmp
         if role == "worker:1":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
     """) + textwrap.dedent(WRITE_PID_AND_SERVE)
-    launcher = start_launcher(tmp_path, body, workers=2, STOP_GRACE_S=1.0)
+    # After a signal to the launcher, tasks get the grace period to save (none here) before SIGKILL.
+    launcher = start_launcher(tmp_path, body, workers=2, STOP_GRACE_S=1.0, GRACE_PERIOD_S=0.5)
     pids = {}
     try:
         pids = wait_for_pids(tmp_path, ["worker:0", "worker:1"], launcher)
@@ -441,6 +442,109 @@ def test_a_startup_timeout_that_is_not_positive_is_a_usage_error(capsys):
     assert capsys.readouterr().err == (
         "tfdist launch: --startup-timeout must be a number of seconds > 0. Received: --startup-timeout 0\n"
     )
+
+
+# ---------------------------------------------------------------------------
+# Preemption and jobs that change size (issue 38), with tasks that act as tfdist's do.
+# ---------------------------------------------------------------------------
+
+# A task that, on SIGTERM, prints the line tfdist.preemption prints after saving, and exits 0.
+SAVES_ON_SIGTERM = """
+    import signal
+    def saved(signum, frame):
+        cause = "SIGTERM" if role == "worker:0" else "stop signal to another task"
+        print(f"tfdist: preempted ({cause}): {role} saved epoch 2, step 3 of 8 (optimizer step 11) to /runs/backup, "
+              "0.20 s after the signal (the save took 0.05 s); exiting with status 0.", flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, saved)
+""" + WRITE_PID_AND_SERVE
+
+
+def test_a_stop_signal_to_the_launcher_after_which_every_worker_saved_exits_0(tmp_path):
+    launcher = start_launcher(tmp_path, SAVES_ON_SIGTERM, workers=2, GRACE_PERIOD_S=30.0)
+    pids = {}
+    try:
+        pids = wait_for_pids(tmp_path, ["worker:0", "worker:1"], launcher)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=20)
+        assert launcher.returncode == 0, err
+        assert err == (
+            "tfdist launch: SIGTERM received; every worker saved epoch 2, step 3 of 8 (optimizer step 11) and "
+            "exited. Run the same command again to resume there (at any number of workers).\n"
+            "tfdist launch: summary: worker:0  saved at epoch 2, step 3 of 8 (optimizer step 11) on SIGTERM and "
+            "exited with status 0                      restarts 0\n"
+            "tfdist launch: summary: worker:1  saved at epoch 2, step 3 of 8 (optimizer step 11) on stop signal to "
+            "another task and exited with status 0  restarts 0\n"
+        )
+    finally:
+        kill_all(launcher, pids.values())
+
+
+def test_the_grace_period_reaches_every_task_and_bad_values_are_usage_errors(tmp_path, capsys):
+    from tfdist.cli import main
+
+    command = script(tmp_path, "print('grace', os.environ['TFDIST_GRACE_PERIOD'])\n")
+    assert main(["launch", "--workers", "2", "--grace-period", "12.5", "--", *command]) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[worker:0] grace 12.5", "[worker:1] grace 12.5"]
+    assert main(["launch", "--workers", "1", "--grace-period", "0", "--", *command]) == 2
+    assert capsys.readouterr().err == (
+        "tfdist launch: --grace-period must be a number of seconds > 0. Received: --grace-period 0\n")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--workers", "3:2"], "argument --workers: expected MIN:MAX with 1 <= MIN <= MAX (e.g. 2:4). Received: '3:2'"),
+    (["--workers", "two"], "argument --workers: expected a number of workers N or a range MIN:MAX (e.g. 2:4). "
+                           "Received: 'two'"),
+])
+def test_a_worker_range_that_is_not_one_is_a_usage_error(flags, message, capsys):
+    from tfdist.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["launch", *flags, "--", sys.executable, "-c", "pass"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.endswith(f"tfdist launch: error: {message}\n")
+
+
+def test_a_warning_is_not_named_as_the_last_error_of_a_failed_task(tmp_path, capsys):
+    command = script(tmp_path, """
+        print("epoch 3 done", flush=True)
+        print("WARNING:tensorflow:From /x/failure_handling.py:805: PreemptionCheckpointHandler.total_run_calls "
+              "(from tensorflow.python.distribute.failure_handling.failure_handling) is deprecated", flush=True)
+        sys.exit(42)
+    """)
+    assert run_job(command, workers=1) == 42
+    assert capsys.readouterr().err.endswith(
+        "tfdist launch: summary: worker:0  exited with status 42  restarts 0  last error: epoch 3 done\n")
+
+
+# Worker WORKERS:INDEX (of a job of that many) fails at once; the others print and succeed.
+LOSES_A_WORKER = """
+    size = len(config["cluster"]["worker"])
+    if (size, config["task"]["index"]) in {(3, 2), (2, 1)}:
+        print("machine lost", flush=True)
+        sys.exit(3)
+    print(f"tfdist: resumed from /runs/backup at epoch 1, step 4 of 8 (optimizer step 4): the next step is 5 "
+          f"(saved by 3 worker(s), 3 replica(s); now {size}, {size}).", flush=True)
+    time.sleep(0.5)
+"""
+
+
+def test_a_job_that_loses_workers_for_good_shrinks_to_its_minimum_and_then_gives_up(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(launch, "BACKOFF_START_S", 0.01)
+    command = script(tmp_path, LOSES_A_WORKER)
+    # 3 workers: worker 2 fails; at 2 workers, worker 1 fails; MIN is 2.
+    assert run_job(command, workers=3, min_workers=2, restarts=0) == 3
+    err = capsys.readouterr().err
+    assert ("tfdist launch: worker:2 failed 1 time(s), more than --restarts 0 allows: restarting the job with the "
+            "remaining 2 worker(s) (at least 2), resuming from its last checkpoint in 0.01 s.") in err
+    assert ("tfdist launch: worker:1 failed 1 time(s), more than --restarts 0 allows, and the job cannot go below 2 "
+            "worker(s); giving up.") in err
+    assert ("tfdist launch: summary: the job went from 3 to 2 workers after worker:2 failed 1 time(s), more than "
+            "--restarts 0 allows; the 2-worker job resumed at epoch 1, step 4 of 8 (optimizer step 4).") in err
+    # At 1 as the minimum, the same job finishes with worker 0 alone.
+    assert run_job(command, workers=3, min_workers=1, restarts=0) == 0
+    err = capsys.readouterr().err
+    assert "the job went from 2 to 1 workers after worker:1 failed 1 time(s)" in err
 
 
 HELP_WITHOUT_PACKAGE_INIT = textwrap.dedent(f"""

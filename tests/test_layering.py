@@ -32,6 +32,7 @@ LAYERS = {
     "tfdist.engine": 3,
     "tfdist.strategies": 4,
     "tfdist.precision": 5, "tfdist.memory": 5, "tfdist.keras_integration": 5, "tfdist.checkpointing": 5,
+    "tfdist.resume": 5, "tfdist.preemption": 5,
     "tfdist.estimator": 5,
     "tfdist.registry": 5, "tfdist.launch": 5, "tfdist.report": 5, "tfdist.callbacks": 5,
     "tfdist.demo": 6, "tfdist.tuning": 6, "tfdist.cli": 6, "tfdist": 7,
@@ -47,6 +48,7 @@ OWN_PRIVATE = {
     ("tfdist.options", "_values"),  # TrainingOptions.__eq__
     ("tfdist.strategies.parameter_server", "_exit"),  # os._exit: a documented os function
     ("tfdist.report.recorder", "_exit"),  # os._exit: a tune trial ends its process
+    ("tfdist.preemption", "_exit"),  # os._exit: a documented os function
 }
 
 

@@ -123,7 +123,7 @@ def test_a_class_that_only_inherited_a_method_gets_it_inherited_again():
     # put back the class's own entry, or delete it where the class had none.
     trainer = patches.resolve(patches.patch("TensorFlowTrainer.fit"))[0]
     own_before = dict(vars(trainer))
-    patches.install("multi_worker")
+    patches.install()
     assert vars(trainer)["fit"] is not own_before["fit"]
     patches.uninstall()
     assert dict(vars(trainer)) == own_before

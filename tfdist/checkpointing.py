@@ -1,4 +1,4 @@
-"""Atomic checkpoint writes for models under a tfdist strategy.
+"""Checkpoints of models under a tfdist strategy: atomic, checksummed, named in errors, resumable exactly.
 
 Keras writes a checkpoint in place: `model.save("model.keras")` opens the file
 for writing (truncating the previous one) and fills it, and `BackupAndRestore`
@@ -23,24 +23,50 @@ the new one is whole. Covered:
   epoch always belongs to the restored weights. Temporary files of
   interrupted writes are removed then.
 
+Also, for those models:
+
+* a `.weights.h5` it writes carries a SHA-256 of its variables' values (an
+  attribute of the file, `tfdist_sha256`), checked by `load_weights` and by
+  `BackupAndRestore` before anything is loaded; a `.keras` file's members are
+  checked against the CRC-32 the zip format keeps (`verify`). Corruption is a
+  `CheckpointError` naming the file, and the model keeps its state;
+* every read or write error names the file (`CheckpointError`, an `OSError`);
+* a write that would not fit beside the previous file is written in memory
+  first, so a full disk is a `CheckpointError` (`errno.ENOSPC`) instead of
+  h5py's segmentation fault;
+* `BackupAndRestore` resumes exactly: its metadata records the input's
+  position (`tfdist.resume`), and a stop signal during `fit` saves it at the
+  next step boundary (`tfdist.preemption`).
+
 Every other model runs Keras's own code, unchanged. Keras's own (non-atomic)
 writes remain for what a rename cannot cover: remote paths (`gs://`, ...),
 `zipped=False` folders, sharded weights (`max_shard_size`), file objects, and
 `keras.saving.save_model(model, ...)` called directly rather than through
-`model.save`. docs/operations.md ("Checkpoints") has the guarantees and the
-measured kill tests.
+`model.save`. docs/operations.md ("Checkpoints", "Preemption") has the
+guarantees and the measured kill tests.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
+import hashlib
+import inspect
+import io
 import json
 import os
 import re
 import shutil
-from typing import Callable, TypeVar
+import weakref
+import zipfile
+from typing import Callable, Optional, TypeVar
 
+import h5py
+import numpy as np
+
+from tfdist import launch, preemption, resume
 from tfdist._compat import keras as kc
+from tfdist.engine.loop import KERAS_FIT
 from tfdist.strategies.base import is_tfdist_strategy
 
 T = TypeVar("T")
@@ -53,6 +79,20 @@ _WEIGHTS_SUFFIX = ".weights.h5"
 
 def _is_tfdist_model(model) -> bool:
     return is_tfdist_strategy(kc.model_strategy(model))
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be read or written; the message names the file, the cause and the fix."""
+
+
+def _error(action: str, path: str, cause: BaseException, fix: str = "") -> CheckpointError:
+    """A `CheckpointError` for `cause`, keeping its errno (ENOSPC, EACCES, ...)."""
+    detail = getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
+    message = f"Cannot {action} checkpoint '{os.fspath(path)}': {detail}"
+    if fix:
+        message += f". {fix}"
+    number = getattr(cause, "errno", None)
+    return CheckpointError(number, message) if isinstance(number, int) else CheckpointError(message)
 
 
 # ---------------------------------------------------------------------------
@@ -147,11 +187,19 @@ def write_atomically(path: str, write: Callable[[str], T]) -> T:
         result = write(temporary)
         _fsync(temporary)
         os.replace(temporary, path)
+    except OSError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise _error("write", path, e, _untouched(path)) from e
     finally:
         if os.path.lexists(temporary):
             _remove(temporary)
     _fsync(folder)
     return result
+
+
+def _untouched(path: str) -> str:
+    return "The previous checkpoint there is untouched" if os.path.exists(path) else "Nothing was written there"
 
 
 def _fsync(path: str) -> None:
@@ -182,8 +230,187 @@ def _remove(path: str) -> None:
         pass
 
 
+
+
 # ---------------------------------------------------------------------------
-# model.save / model.save_weights.
+# Free space, and `.weights.h5` files written whole or not at all.
+# ---------------------------------------------------------------------------
+
+# Beyond the variables' bytes, an HDF5 weights file's own structure: measured
+# 4-20 KiB for the test models; 64 KiB leaves room for large layer counts.
+_H5_OVERHEAD_BYTES = 64 * 1024
+
+
+def estimated_size(model) -> int:
+    """Bytes a `.weights.h5` of `model` takes, about: its variables' values and the optimizer's, plus 64 KiB.
+
+    Args:
+        model: a built Keras model.
+
+    Example:
+
+    ```python
+    tfdist.checkpointing.estimated_size(model) / 2**20   # MiB an atomic write needs free
+    ```
+    """
+    variables = list(model.weights)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        variables += list(optimizer.variables)
+    total = 0
+    for v in variables:
+        total += int(np.prod(v.shape)) * np.dtype(getattr(v, "dtype", "float32")).itemsize
+    return total + _H5_OVERHEAD_BYTES
+
+
+def free_bytes(folder: str) -> Optional[int]:
+    """Bytes an unprivileged write may still use in `folder`'s file system, or None where unknown."""
+    try:
+        stats = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
+
+
+def _write_weights(model, temporary: str, target: str, keras_save_weights: Callable[[str], object]) -> None:
+    """Writes `model`'s `.weights.h5` to `temporary`, with its checksum.
+
+    h5py writes the file as Keras fills it; when the disk fills up midway its
+    close fails and the process dies of a segmentation fault (h5py 3.14,
+    HDF5 1.14: `File.close` after failed writes), in plain Keras too. Where
+    the folder has less than twice the estimated size free, the file is made
+    in memory and written with Python's own I/O, so that a full disk is an
+    `OSError` (ENOSPC) naming the file, as for any other write.
+    """
+    folder = os.path.dirname(os.path.abspath(temporary))
+    needed = estimated_size(model)
+    free = free_bytes(folder)
+    if free is None or free >= 2 * needed:
+        keras_save_weights(temporary)
+        seal(temporary)
+        return
+    buffer = io.BytesIO()
+    kc.write_weights_h5(model, buffer)
+    _seal_file(buffer)
+    data = buffer.getvalue()
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            _remove(temporary)
+            raise _error(
+                "write", target, e,
+                f"It needs {_mib(len(data))} beside the previous file until the rename replaces it; "
+                f"{_mib(free_bytes(folder) or 0)} are free in {folder}. Free "
+                "space there or write elsewhere (docs/operations.md, Checkpoints). "
+                + _untouched(target),
+            ) from e
+        raise
+
+
+# ---------------------------------------------------------------------------
+# Checksums: `.weights.h5` files carry one; `.keras` files their zip CRC-32s.
+# ---------------------------------------------------------------------------
+
+CHECKSUM_ATTRIBUTE = "tfdist_sha256"
+
+
+def _digest(h5: h5py.File) -> str:
+    """SHA-256 over every dataset's path, dtype, shape and bytes, in path order."""
+    sha = hashlib.sha256()
+    names: list = []
+    h5.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    for name in sorted(names):
+        dataset = h5[name]
+        value = dataset[()]
+        sha.update(f"{name}|{dataset.dtype.str}|{dataset.shape}|".encode())
+        if isinstance(value, np.ndarray) and value.dtype.kind not in "OSU":
+            sha.update(np.ascontiguousarray(value).tobytes())
+        else:
+            sha.update(repr(value).encode())
+    return sha.hexdigest()
+
+
+def _seal_file(file) -> str:
+    with h5py.File(file, "r+") as h5:
+        digest = _digest(h5)
+        h5.attrs[CHECKSUM_ATTRIBUTE] = digest
+    return digest
+
+
+def seal(path: str) -> str:
+    """Writes the SHA-256 of a `.weights.h5` file's values into it (`tfdist_sha256`); returns it.
+
+    Args:
+        path: str. A `.weights.h5` file, before it is renamed into place.
+
+    Example:
+
+    ```python
+    tfdist.checkpointing.seal("/ckpt/.tfdist-123-model.weights.h5")
+    ```
+    """
+    return _seal_file(path)
+
+
+def verify(path: str) -> Optional[str]:
+    """Checks a checkpoint file against its checksum; returns the `.weights.h5` SHA-256, if it has one.
+
+    A `.weights.h5` written by tfdist holds the SHA-256 of its values; a
+    `.keras` (zip) file holds a CRC-32 of each member, which Keras does not
+    read back (h5py reads the weights with seeks). Files without a checksum
+    (a `.weights.h5` written by plain Keras) are only opened.
+
+    Args:
+        path: str. A `.weights.h5` or `.keras` file.
+
+    Raises:
+        CheckpointError: the file cannot be opened, or its content does not
+            match its checksum; the message names the file.
+
+    Example:
+
+    ```python
+    tfdist.checkpointing.verify("/runs/backup/latest.weights.h5")
+    ```
+    """
+    path = os.fspath(path)
+    fix = ("The file was changed or damaged after it was written (a copy cut short, a disk error); "
+           "restore it from another copy, or delete it to start over")
+    if path.endswith(".keras"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except (OSError, zipfile.BadZipFile) as e:
+            raise _error("read", path, e, fix) from None
+        if bad is not None:
+            raise _error("read", path, ValueError(f"member {bad!r} does not match its CRC-32"), fix)
+        return None
+    if not path.endswith(".h5"):
+        return None
+    try:
+        with h5py.File(path, "r") as h5:
+            stored = h5.attrs.get(CHECKSUM_ATTRIBUTE)
+            if stored is None:
+                return None
+            stored = stored.decode() if isinstance(stored, bytes) else str(stored)
+            actual = _digest(h5)
+    except OSError as e:
+        raise _error("read", path, e, fix) from None
+    if actual != stored:
+        raise _error("read", path, ValueError(f"its values do not match its SHA-256 ({stored[:12]}..., "
+                                              f"computed {actual[:12]}...)"), fix)
+    return stored
+
+
+# ---------------------------------------------------------------------------
+# model.save / model.save_weights / model.load_weights.
 # ---------------------------------------------------------------------------
 
 
@@ -228,13 +455,40 @@ def _patched_save_weights(original):
             return original(self, filepath, overwrite=overwrite, max_shard_size=max_shard_size)
         if not overwrite and os.path.exists(path) and not kc.ask_to_proceed_with_overwrite(path):
             return None
-        return write_atomically(path, lambda temporary: original(self, temporary, overwrite=True))
+        write_atomically(
+            path,
+            lambda temporary: _write_weights(
+                self, temporary, path, lambda t: original(self, t, overwrite=True)
+            ),
+        )
+        return None
 
     return save_weights
 
 
+def _patched_load_weights(original):
+    @functools.wraps(original)
+    def load_weights(self, filepath, *args, **kwargs):
+        if not _is_tfdist_model(self) or not isinstance(filepath, (str, os.PathLike)) or _is_remote(filepath):
+            return original(self, filepath, *args, **kwargs)
+        path = os.fspath(filepath)
+        verify(path)
+        try:
+            return original(self, filepath, *args, **kwargs)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise _error("read", path, e) from e
+        except ValueError as e:
+            if path in str(e):
+                raise
+            raise ValueError(f"Cannot load checkpoint '{path}' into model '{self.name}': {e}") from e
+
+    return load_weights
+
+
 # ---------------------------------------------------------------------------
-# BackupAndRestore: weights and metadata as one atomic pair.
+# BackupAndRestore: weights and metadata as one atomic pair, resumed exactly.
 # ---------------------------------------------------------------------------
 
 
@@ -284,25 +538,135 @@ def recover_backup(backup_dir: str, weights: str, metadata: str, writer: bool) -
     return sorted(temporaries)
 
 
-def _save_backup(callback) -> None:
-    """`BackupAndRestore._save_model` for a tfdist model: the same files, written atomically."""
+def _read_metadata(path: str) -> dict:
+    """A backup's `training_metadata.json`, validated; `CheckpointError` naming it otherwise."""
+    fix = ("The backup's weights were not loaded. Restore the file from another copy, or delete the "
+           "backup folder to start over")
+    try:
+        with open(path) as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise _error("read", path, e, fix) from None
+    if not isinstance(data, dict) or not isinstance(data.get("epoch"), int):
+        raise _error("read", path, ValueError(f"expected an object with an integer 'epoch', got {data!r}"), fix)
+    return data
+
+
+def _load_backup(callback, weights: str, metadata: str) -> Optional[resume.Position]:
+    """`BackupAndRestore._load_model` for a tfdist model: metadata checked first, weights verified, then loaded."""
+    model = callback.model
+    if not model.built:
+        raise ValueError(
+            "To use the BackupAndRestore callback, you model must be built before you call `fit()`. "
+            f"Model {model} is unbuilt. You can build it beforehand by calling it on a batch of data."
+        )
+    data = _read_metadata(metadata) if os.path.exists(metadata) else None
+    if os.path.exists(weights):
+        digest = verify(weights)
+        saved = ((data or {}).get("tfdist") or {}).get("weights_sha256")
+        if digest is not None and saved is not None and saved != digest:
+            raise _error("read", weights, ValueError(
+                f"its SHA-256 ({digest[:12]}...) is not the one {os.path.basename(metadata)} recorded for the "
+                f"backup ({saved[:12]}...): the two files come from different saves"),
+                "Restore both from the same backup, or delete the folder to start over")
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            # As Keras: the optimizer's variables must exist before they are loaded.
+            optimizer.build(model.trainable_variables)
+        model.load_weights(weights)  # all or nothing (keras_integration's guard)
+    if data is None:
+        return None
+    kc.set_resume_epoch(model, data["epoch"])
+    return resume.Position.from_metadata(data)
+
+
+def _restore_backup(callback) -> Optional[resume.Position]:
+    weights, metadata, previous_weights, previous_metadata = kc.backup_and_restore_files(callback)
+    try:
+        return _load_backup(callback, weights, metadata)
+    except CheckpointError as error:
+        # As Keras: with double_checkpoint, a damaged backup gives way to the one before it.
+        if not callback.double_checkpoint or not os.path.exists(previous_weights):
+            raise
+        print(f"tfdist: {error}; restoring the previous backup {previous_weights} instead.", flush=True)
+        write_atomically(weights, functools.partial(shutil.copyfile, previous_weights))
+        if os.path.exists(previous_metadata):
+            write_atomically(metadata, functools.partial(shutil.copyfile, previous_metadata))
+        elif os.path.exists(metadata):
+            _remove(metadata)
+        return _load_backup(callback, weights, metadata)
+
+
+class _Fit:
+    """What one `fit` of a tfdist model with a `BackupAndRestore` keeps: its position and its preemption watch."""
+
+    def __init__(self, callback, tracker: resume.FitTracker, watch: Optional[preemption.PreemptionWatch]):
+        self.callback = callback
+        self.tracker = tracker
+        self.watch = watch
+        self.in_batch_end = False
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+        self.tracker.close()
+
+
+# The `fit` in progress of each model, and how it was called.
+_fits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_fit_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _job_size(strategy) -> tuple[int, int]:
+    return int(getattr(strategy, "num_workers", 1) or 1), int(strategy.num_replicas_in_sync)
+
+
+def _position(callback, epoch_end: bool) -> Optional[resume.Position]:
+    fit = _fits.get(callback.model)
+    if fit is None or fit.callback is not callback:
+        return None
+    optimizer = callback.model.optimizer
+    step = int(optimizer.iterations.numpy()) if optimizer is not None else None
+    workers, replicas = _job_size(kc.model_strategy(callback.model))
+    return fit.tracker.position(epoch_end, step, workers, replicas)
+
+
+def _save_backup(callback, position: Optional[resume.Position] = None) -> None:
+    """`BackupAndRestore._save_model` for a tfdist model: the same files, written atomically, with the position."""
     weights, metadata, previous_weights, previous_metadata = kc.backup_and_restore_files(callback)
     os.makedirs(callback.backup_dir, exist_ok=True)
     if callback.double_checkpoint:
         for current, previous in ((weights, previous_weights), (metadata, previous_metadata)):
             if os.path.exists(current):
                 write_atomically(previous, functools.partial(shutil.copyfile, current))
+    record = kc.backup_and_restore_position(callback)
+    if position is None:
+        fit = _fits.get(callback.model)
+        position = _position(callback, epoch_end=not (fit is not None and fit.in_batch_end))
+    if position is not None:
+        record = {"epoch": position.epoch, "batch": max(position.steps_done - 1, 0),
+                  "tfdist": position.to_metadata()}
     weights_temporary, metadata_temporary = temporary_path(weights), temporary_path(metadata)
     try:
         # Keras's own save (with its collectives, where the strategy has them);
         # the name is already a temporary one, so it is written as given.
-        callback.model.save_weights(weights_temporary, overwrite=True)
+        _write_weights(callback.model, weights_temporary, weights,
+                       lambda t: callback.model.save_weights(t, overwrite=True))
         _fsync(weights_temporary)
+        if "tfdist" in record:
+            with h5py.File(weights_temporary, "r") as h5:
+                record["tfdist"]["weights_sha256"] = str(h5.attrs[CHECKSUM_ATTRIBUTE])
         with open(metadata_temporary, "w") as f:
-            f.write(json.dumps(kc.backup_and_restore_position(callback)))
+            f.write(json.dumps(record))
             f.flush()
             os.fsync(f.fileno())
         os.replace(weights_temporary, weights)
+    except OSError as e:
+        _remove(weights_temporary)
+        _remove(metadata_temporary)
+        if isinstance(e, CheckpointError):
+            raise
+        raise _error("write", weights, e, _untouched(weights)) from e
     except BaseException:
         _remove(weights_temporary)
         _remove(metadata_temporary)
@@ -324,26 +688,137 @@ def _patched_backup_save(original):
 def _patched_backup_restore(original):
     @functools.wraps(original)
     def on_train_begin(self, logs=None):
-        if _is_tfdist_model(self.model) and not _is_remote(self.backup_dir):
-            weights, metadata, _, _ = kc.backup_and_restore_files(self)
-            writer = getattr(kc.model_strategy(self.model), "is_chief", True)
-            recover_backup(os.fspath(self.backup_dir), weights, metadata, writer=writer)
-        return original(self, logs)
+        if not _is_tfdist_model(self.model) or _is_remote(self.backup_dir):
+            return original(self, logs)
+        strategy = kc.model_strategy(self.model)
+        weights, metadata, _, _ = kc.backup_and_restore_files(self)
+        writer = getattr(strategy, "is_chief", True)
+        recover_backup(os.fspath(self.backup_dir), weights, metadata, writer=writer)
+        position = _restore_backup(self)
+        if self.model in _fits or getattr(strategy, "host_loop", KERAS_FIT) is not KERAS_FIT:
+            return None  # a second BackupAndRestore in one fit; or a loop of the strategy's own
+        keeps_iterator = _fit_calls.get(self.model, {}).get("steps_per_epoch") is not None
+        tracker = resume.FitTracker(self.model, keeps_iterator=keeps_iterator, resume=position)
+        tracker.install()
+        watch = preemption.PreemptionWatch(strategy)
+        _fits[self.model] = _Fit(self, tracker, watch if watch.start() else None)
+        if position is not None and writer:
+            steps = (self.params or {}).get("steps")
+            workers, replicas = _job_size(strategy)
+            saved_by = (f"saved by {position.workers} worker(s), {position.replicas} replica(s); now {workers}, "
+                        f"{replicas}" if position.workers is not None else "saved by Keras's own callback")
+            if not position.steps_done:
+                following = "the epoch begins"
+            elif steps and position.steps_done >= steps:
+                following = "its steps are done; the epoch ends"
+            else:
+                following = f"the next step is {position.steps_done + 1}"
+            print(f"{launch.RESUMED_PREFIX}{os.fspath(self.backup_dir)} at {position.describe(steps)}: {following} "
+                  f"({saved_by}).", flush=True)
+        return None
 
     return on_train_begin
+
+
+def _patched_backup_epoch_begin(original):
+    @functools.wraps(original)
+    def on_epoch_begin(self, epoch, logs=None):
+        fit = _fits.get(self.model)
+        if fit is not None and fit.callback is self:
+            fit.tracker.on_epoch_begin(epoch)
+        return original(self, epoch, logs)
+
+    return on_epoch_begin
+
+
+def _patched_backup_batch_end(original):
+    @functools.wraps(original)
+    def on_train_batch_end(self, batch, logs=None):
+        fit = _fits.get(self.model)
+        if fit is None or fit.callback is not self:
+            return original(self, batch, logs)
+        fit.tracker.on_batch_end(batch)
+        if fit.tracker.skipping:
+            # A resumed epoch's steps already in the weights: no save, no preemption boundary.
+            kc.set_backup_and_restore_batch(self, batch)
+            return None
+        fit.in_batch_end = True
+        try:
+            original(self, batch, logs)
+        finally:
+            fit.in_batch_end = False
+        if fit.watch is not None:
+            fit.watch.at_step_boundary(lambda: _save_for_preemption(self, fit))
+        return None
+
+    return on_train_batch_end
+
+
+def _save_for_preemption(callback, fit: _Fit) -> tuple[str, str]:
+    position = _position(callback, epoch_end=False)
+    _save_backup(callback, position)
+    steps = (callback.params or {}).get("steps")
+    if getattr(kc.model_strategy(callback.model), "is_chief", True):
+        place = os.fspath(callback.backup_dir)
+    else:
+        place = "its own temporary copy (the chief's backup is the one a relaunch reads)"
+    return position.describe(steps), place
+
+
+def _patched_backup_train_end(original):
+    @functools.wraps(original)
+    def on_train_end(self, logs=None):
+        fit = _fits.get(self.model)
+        if fit is not None and fit.callback is self:
+            _fits.pop(self.model, None).close()
+        return original(self, logs)
+
+    return on_train_end
+
+
+def fit_bookkeeping(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        if not _is_tfdist_model(self):
+            return original(self, *args, **kwargs)
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+            _fit_calls[self] = {"steps_per_epoch": bound.arguments.get("steps_per_epoch")}
+        except TypeError:
+            pass  # Keras reports the bad arguments
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            # A fit that raised (or exited on preemption) never reached on_train_end.
+            _fit_calls.pop(self, None)
+            fit_state = _fits.pop(self, None)
+            if fit_state is not None:
+                fit_state.close()
+
+    return fit
 
 
 def patch_implementations() -> dict:
     """`{patch name: wrapper(original) -> replacement}` for the registry's checkpoint patches.
 
     Declared in `tfdist._compat.patches` (`Model.save`, `Model.save_weights`,
-    `BackupAndRestore.on_train_begin`, `BackupAndRestore._save_model`);
-    installed with every tfdist strategy, so checkpoint writes of models
-    under it are atomic. Every other model runs Keras's own code.
+    `Model.load_weights`, and `BackupAndRestore`'s `on_train_begin`,
+    `on_epoch_begin`, `on_train_batch_end`, `on_train_end` and `_save_model`);
+    installed with every tfdist strategy, so checkpoint writes of models under
+    it are atomic and checked, backups resume mid-epoch exactly, and a
+    preempted job saves at its next step. Every other model runs Keras's own
+    code. `fit_bookkeeping` wraps `fit` inside the integration layer's own
+    `fit` patch (one registry entry per attribute).
     """
     return {
         "Model.save": _patched_save,
         "Model.save_weights": _patched_save_weights,
+        "Model.load_weights": _patched_load_weights,
         "BackupAndRestore.on_train_begin": _patched_backup_restore,
+        "BackupAndRestore.on_epoch_begin": _patched_backup_epoch_begin,
+        "BackupAndRestore.on_train_batch_end": _patched_backup_batch_end,
+        "BackupAndRestore.on_train_end": _patched_backup_train_end,
         "BackupAndRestore._save_model": _patched_backup_save,
     }

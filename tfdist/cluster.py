@@ -3,8 +3,8 @@
 Every multi-process strategy starts from a `ClusterConfig`: the addresses of
 every task by job type (`chief`, `worker`, `ps`, `evaluator`) and which task
 this process is. It is read from the `TF_CONFIG` environment variable (what
-`tfdist launch`, Kubernetes TFJob and most cluster managers set), from a Slurm
-job step, or given explicitly, and it is validated here, before any TensorFlow
+`tfdist launch`, Kubeflow's TFJob and most cluster managers set), from a Slurm
+job step, from a Kubernetes Indexed Job, or given explicitly, and it is validated here, before any TensorFlow
 server starts, so a typo in a port fails with the field and value named rather
 than with a gRPC hang minutes later.
 
@@ -345,7 +345,12 @@ def parse_tf_config(raw: Union[str, Mapping[str, Any], None] = None) -> ClusterC
     return _validate(data, source)
 
 
-def from_slurm(jobs: Optional[Mapping[str, int]] = None, port_base: int = 8888) -> ClusterConfig:
+# The first port of each node's tasks in a Slurm job step (`from_slurm`).
+SLURM_PORT_BASE = 8888
+SLURM_PORT_BASE_VARIABLE = "TFDIST_SLURM_PORT_BASE"
+
+
+def from_slurm(jobs: Optional[Mapping[str, int]] = None, port_base: Optional[int] = None) -> ClusterConfig:
     """Reads this Slurm job step's tasks into a validated `ClusterConfig`.
 
     Uses TensorFlow's `SlurmClusterResolver` on the variables Slurm sets for
@@ -356,12 +361,27 @@ def from_slurm(jobs: Optional[Mapping[str, int]] = None, port_base: int = 8888) 
     Args:
         jobs: Optional dict of job type to task count; default every task a
             `worker`.
-        port_base: int. First port on each node; default 8888.
+        port_base: Optional int. First port on each node; default the
+            environment variable `TFDIST_SLURM_PORT_BASE` (sbatch passes the
+            submitting shell's environment on), else 8888.
 
     Raises:
         ClusterConfigError: a Slurm variable is missing or the job does not
             fit the step's tasks.
+
+    Example:
+
+    ```python
+    # in each task of `srun -n 2 python train.py`
+    config = tfdist.cluster.from_slurm()
+    ```
     """
+    if port_base is None:
+        raw = os.environ.get(SLURM_PORT_BASE_VARIABLE, "").strip()
+        if raw and (not raw.isdigit() or not 0 < int(raw) < 65536):
+            _fail("Slurm job step", f"environment variable {SLURM_PORT_BASE_VARIABLE} must be a port in 1..65535. "
+                                    f"Received: {SLURM_PORT_BASE_VARIABLE}={raw!r}")
+        port_base = int(raw) if raw else SLURM_PORT_BASE
     resolver = _slurm_resolver(jobs, port_base)
     spec = resolver.cluster_spec().as_dict()
     task_type, task_id = resolver.get_task_info()
@@ -394,6 +414,92 @@ def _slurm_resolver(jobs, port_base):
             "with `srun` inside an allocation (sbatch/salloc), which sets SLURM_PROCID, "
             "SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST and SLURM_STEP_TASKS_PER_NODE."
         ) from None
+
+
+# ---------------------------------------------------------------------------
+# Kubernetes: an Indexed Job whose pods a headless Service names.
+# ---------------------------------------------------------------------------
+
+KUBERNETES_PORT = 2222
+
+
+def from_kubernetes(environ: Optional[Mapping[str, str]] = None) -> ClusterConfig:
+    """This pod's place in a Kubernetes Indexed Job, read from what the Job and its manifest give the pod.
+
+    An Indexed Job (`completionMode: Indexed`, `completions` = `parallelism`
+    = the number of workers) gives pod `i` the environment variable
+    `JOB_COMPLETION_INDEX=i` and the hostname `<job name>-<i>`; with
+    `subdomain: <service>` in the pod template and a headless Service of
+    that name (`clusterIP: None`, `publishNotReadyAddresses: true`), pod `j`
+    is reachable at `<job name>-<j>.<service>`. Every pod is a worker; pod 0
+    is the chief. No operator (Kubeflow's TFJob) is needed.
+    examples/kubernetes/ has the manifests.
+
+    Read from the environment:
+
+    * `JOB_COMPLETION_INDEX` (set by Kubernetes): this pod's index;
+    * `TFDIST_NUM_WORKERS` (set in the manifest): the job's pods;
+    * `TFDIST_SERVICE` (set in the manifest): the headless Service;
+    * `TFDIST_JOB_NAME` (optional): the Job's name; default `HOSTNAME`
+      (`<job name>-<index>`) without its `-<index>`;
+    * `TFDIST_NAMESPACE` (optional): appended to the addresses, for DNS
+      resolvers that do not search the pod's own namespace;
+    * `TFDIST_PORT` (optional): every pod's port, default 2222.
+
+    Args:
+        environ: Optional mapping to read instead of `os.environ`.
+
+    Raises:
+        ClusterConfigError: a variable is missing or invalid; the message
+            names it and the manifest field that sets it.
+
+    Example:
+
+    ```python
+    strategy = tfdist.get_strategy("multi_worker", cluster="kubernetes")
+    # or: cluster=tfdist.cluster.from_kubernetes()
+    ```
+    """
+    env = os.environ if environ is None else environ
+    source = "Kubernetes Indexed Job"
+    manifest = "examples/kubernetes/job.yaml"
+
+    def integer(name: str, how: str, low: int) -> int:
+        raw = env.get(name)
+        if raw is None or not raw.strip():
+            _fail(source, f"the environment variable {name} is not set; {how} (see {manifest}).")
+        if not raw.strip().isdigit() or int(raw) < low:
+            _fail(source, f"the environment variable {name} must be an integer >= {low}. Received: {name}={raw!r}")
+        return int(raw)
+
+    index = integer("JOB_COMPLETION_INDEX", "Kubernetes sets it in the pods of a Job with "
+                    "`completionMode: Indexed`: run the script in such a Job", 0)
+    workers = integer("TFDIST_NUM_WORKERS", "set it in the pod template's env to the Job's `completions` "
+                      "(= `parallelism`)", 1)
+    if index >= workers:
+        _fail(source, f"JOB_COMPLETION_INDEX={index} is out of range for TFDIST_NUM_WORKERS={workers}: set "
+                      "TFDIST_NUM_WORKERS to the Job's `completions` (= `parallelism`).")
+    service = (env.get("TFDIST_SERVICE") or "").strip()
+    if not service:
+        _fail(source, "the environment variable TFDIST_SERVICE is not set; set it in the pod template's env to "
+                      f"the name of the headless Service that is the pods' `subdomain` (see {manifest}).")
+    job_name = (env.get("TFDIST_JOB_NAME") or "").strip()
+    if not job_name:
+        hostname = (env.get("HOSTNAME") or "").strip()
+        suffix = f"-{index}"
+        if not hostname.endswith(suffix) or len(hostname) == len(suffix):
+            _fail(source, f"cannot tell the Job's name: HOSTNAME={hostname!r} is not '<job name>{suffix}', as "
+                          "Kubernetes names an Indexed Job's pod. Set TFDIST_JOB_NAME in the pod template's env.")
+        job_name = hostname[: -len(suffix)]
+    port = integer("TFDIST_PORT", "", 1) if env.get("TFDIST_PORT") else KUBERNETES_PORT
+    namespace = (env.get("TFDIST_NAMESPACE") or "").strip()
+    domain = f"{service}.{namespace}" if namespace else service
+    addresses = [f"{job_name}-{i}.{domain}:{port}" for i in range(workers)]
+    return ClusterConfig.create({"worker": addresses}, "worker", index, source=source)
+
+
+# The clusters a strategy's `cluster=` option names, and how each is read.
+NAMED_CLUSTERS = {"slurm": from_slurm, "kubernetes": from_kubernetes}
 
 
 # ---------------------------------------------------------------------------

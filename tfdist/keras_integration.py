@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import weakref
 
 import keras
 import numpy as np
@@ -34,6 +36,7 @@ import tensorflow as tf
 from tfdist import checkpointing
 from tfdist._compat import keras as kc
 from tfdist._compat import patches
+from tfdist._compat import tf as tfc
 from tfdist.data import sinking
 from tfdist.strategies.base import is_tfdist_strategy
 
@@ -76,10 +79,94 @@ def _check_compile_scope(model) -> None:
         )
 
 
+def _check_one_process_strategy(model) -> None:
+    """Refuses a strategy of one process in a job a launcher started several processes of.
+
+    `mirrored`, `central_storage` and the one-host sharded optimizer train on
+    this process's devices only: under `tfdist launch --workers 2` (TF_CONFIG
+    of 2 training tasks) or `srun -n 2`, every process trained its own copy on
+    the whole input and wrote the same checkpoints, and the job exited 0. A
+    strategy of several processes (multi_worker, parameter_server) passes;
+    `multi_worker` under `srun` without `cluster="slurm"` is one local
+    process, and is refused too.
+    """
+    strategy = kc.model_strategy(model)
+    if not is_tfdist_strategy(strategy):
+        return
+    if tfc.spans_processes(strategy):
+        return
+    from tfdist import cluster as cluster_lib
+
+    tasks, source = 0, ""
+    if os.environ.get("TF_CONFIG", "").strip():
+        try:
+            config = cluster_lib.parse_tf_config()
+        except cluster_lib.ClusterConfigError:
+            return  # a multi-process strategy would name what is wrong with it
+        if config.task_type in ("chief", "worker"):
+            tasks, source = config.num_workers, cluster_lib.ClusterSource.of().label
+    elif os.environ.get("SLURM_PROCID") is not None and os.environ.get("SLURM_STEP_NUM_TASKS", "1").isdigit():
+        tasks, source = int(os.environ["SLURM_STEP_NUM_TASKS"]), "srun (SLURM_STEP_NUM_TASKS)"
+    if tasks <= 1:
+        return
+    raise ValueError(
+        f"The strategy {strategy!r} trains on this process's devices only, but {source} describes a job of "
+        f"{tasks} training processes: each would train its own copy of the model on the whole input and "
+        "write the same checkpoints. For a job of several processes use "
+        "tfdist.get_strategy('multi_worker') (or 'sharded_optimizer', which reads the same cluster; with "
+        "srun pass cluster='slurm'); to train in one process, start the script alone (python train.py, "
+        "without tfdist launch or srun -n). The model was left as it was (not compiled)."
+    )
+
+
+# Optimizers compiled with a tfdist model, and the model (one optimizer keeps the state of one model).
+_optimizer_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_compile_optimizer(model, args, kwargs) -> None:
+    """Refuses an optimizer created outside the strategy's scope, and one already training another model."""
+    strategy = kc.model_strategy(model)
+    optimizer = kwargs.get("optimizer", args[0] if args else None)
+    if not is_tfdist_strategy(strategy) or not isinstance(optimizer, keras.optimizers.Optimizer):
+        return
+    label = f"The optimizer {optimizer.name!r} ({type(optimizer).__name__})"
+    made_under = kc.optimizer_strategy(optimizer)
+    if made_under is not strategy:
+        where = ("outside any strategy scope" if not is_tfdist_strategy(made_under)
+                 else f"in the scope of another strategy ({made_under!r})")
+        raise ValueError(
+            f"{label} was created {where}, and is being compiled with model {model.name!r} of {strategy!r}: "
+            "its variables (the step counter, the learning rate) are not the strategy's, and fit would fail "
+            "with 'Mixing different tf.distribute.Strategy objects'. Create the optimizer inside the scope:\n"
+            "    with strategy.scope():\n"
+            "        model = build_model()\n"
+            "        model.compile(optimizer=keras.optimizers.Adam(...), ...)\n"
+            "(or pass its name, optimizer='adam'). The model was left as it was (not compiled)."
+        )
+    previous = _optimizer_models.get(optimizer)
+    other = previous() if previous is not None else None
+    if other is not None and other is not model:
+        mine = {id(v) for v in model.trainable_variables}
+        theirs = {id(v) for v in other.trainable_variables}
+        if not mine <= theirs:
+            raise ValueError(
+                f"{label} is already the optimizer of model {other.name!r}, and is being compiled with model "
+                f"{model.name!r}, whose variables are not all {other.name!r}'s: an optimizer keeps its state "
+                "(step counter, moments) for the variables it was built for, and the second model's fit "
+                "would fail on an unknown variable. Give each model an optimizer of its own, e.g. "
+                f"model.compile(optimizer=keras.optimizers.{type(optimizer).__name__}.from_config("
+                "optimizer.get_config()), ...). The model was left as it was (not compiled)."
+            )
+    if model.trainable_variables or other is None:
+        _optimizer_models[optimizer] = weakref.ref(model)
+
+
 def _patched_compile(original):
     @functools.wraps(original)
     def compile(self, *args, **kwargs):
         _check_compile_scope(self)
+        _check_one_process_strategy(self)
+        _check_compile_optimizer(self, args, kwargs)
         _check_jit_compile(self, kwargs.get("jit_compile", "auto"))
         result = original(self, *args, **kwargs)
         if _is_tfdist_model(self):
@@ -236,7 +323,8 @@ def patch_implementations() -> dict:
         "LossScaleOptimizer.apply": _patched_loss_scale_apply,
         # Each replica draws its own dropout masks and augmentations.
         "SeedGenerator.next": kc.seed_folding(is_tfdist_strategy),
-        "TensorFlowTrainer.fit": _patched_fit,
+        # Checkpointing's bookkeeping (exact resume, preemption) inside the host-loop/non-chief wrapper.
+        "TensorFlowTrainer.fit": lambda original: _patched_fit(checkpointing.fit_bookkeeping(original)),
         "TensorFlowTrainer.evaluate": lambda original: _patched_ps(original, "evaluate"),
         "TensorFlowTrainer.predict": lambda original: _patched_ps(original, "predict"),
         "GradientTape.gradient": _patched_tape_gradient,

@@ -9,6 +9,12 @@ SIGTERM, SIGHUP), and on Linux each also gets SIGTERM from the kernel if the
 launcher dies without stopping it (SIGKILL included), so no job outlives its
 launcher.
 
+A stop signal to the launcher (SIGINT, SIGTERM, SIGHUP) is passed to every
+task as SIGTERM, and the tasks get `grace_period` seconds to save at their
+next step boundary (`tfdist.preemption`) before SIGKILL; when every worker
+says it saved, the launcher exits 0. With `min_workers` (`--workers MIN:MAX`)
+a worker that keeps failing is dropped and the job goes on with the others.
+
 The job's status is the chief's (with `chief=True`) or else the workers':
 when they have all finished, parameter servers and the evaluator, which serve
 until stopped, are stopped and the launcher returns. If a training process
@@ -63,6 +69,17 @@ from typing import Callable, Optional, Sequence
 TAIL_LINES = 20
 # Seconds a process gets to exit after SIGTERM before SIGKILL.
 STOP_GRACE_S = 5.0
+# Seconds a task gets, after the launcher forwards a stop signal it received, to
+# save at its next step boundary and exit (`--grace-period`; each task reads it as
+# TFDIST_GRACE_PERIOD, tfdist.preemption); the launcher adds STOP_GRACE_S before SIGKILL.
+GRACE_PERIOD_S = 30.0
+# The lines a task prints when it saved and stopped on a stop signal
+# (tfdist.preemption), and when it resumed from a backup (tfdist.checkpointing).
+PREEMPTED_PREFIX = "tfdist: preempted"
+RESUMED_PREFIX = "tfdist: resumed from "
+_POSITION = r"(epoch \d+, step \d+(?: of \d+)?(?: \(optimizer step \d+\))?)"
+_PREEMPTED = re.compile(r"^tfdist: preempted \((.+?)\): \S+ saved " + _POSITION + " to ")
+_RESUMED = re.compile(r"^tfdist: resumed from .+ at " + _POSITION + ": ")
 # Seconds the workers of a chief-led job without parameter servers get to
 # finish on their own once the chief has (they end a moment later).
 FINISH_GRACE_S = 10.0
@@ -127,6 +144,8 @@ _SHUTDOWN_CONTINUATION = re.compile(
     r"^/job:\w+/replica:\d+/task:\d+$|^The tasks have crashed\. |^Additional GRPC error information from remote"
     r"|^:UNKNOWN:Error received from peer"
 )
+# A warning line (Python's, TensorFlow's logger's, its C++ log's), never the summary's "last error".
+_WARNING_LINE = re.compile(r"^WARNING:|^W\d{4} |Warning: |^\s+warnings\.warn\(|is deprecated")
 # A line that reports an error, for the summary's "last error".
 _ERROR_LINE = re.compile(r"Error\b|Exception\b|^Traceback|^[EF]\d{4} |FATAL|Fatal|Killed|Aborted|error:")
 
@@ -191,18 +210,23 @@ class _Task:
     tmpdir: str
     stopped_by_us: bool = False
     finalized: bool = False
+    # The task's own lines: it saved and stopped on a stop signal; it resumed from a backup.
+    preempted: Optional[str] = None
+    resumed: Optional[str] = None
 
     @property
     def label(self) -> str:
         return f"{self.job}:{self.index}"
 
     def last_error(self) -> Optional[str]:
-        """The last line that reports an error, else (for a failed run) its last line."""
+        """The last line that reports an error, else (for a failed run) its last line that is not a warning."""
         lines = [line.strip() for line in list(self.tail) if line.strip()]
         for line in reversed(lines):
             if _ERROR_LINE.search(line):
                 return line
-        return lines[-1] if lines else None
+        # A deprecation warning says nothing of why the process ended.
+        plain = [line for line in lines if not _WARNING_LINE.search(line)]
+        return (plain or lines)[-1] if lines else None
 
 
 @dataclasses.dataclass
@@ -215,6 +239,8 @@ class _Record:
     last_error: Optional[str] = None
     # Whether `last_error` is from the task's last run (else from a run before a restart).
     error_in_last_run: bool = False
+    # Where the task's last run saved before it stopped on a stop signal.
+    saved: Optional[str] = None
 
 
 def free_ports(n: int) -> list[int]:
@@ -281,6 +307,10 @@ def _pump(
                 continuing = _CPP_LOG.match(line) is not None
                 continue
         task.tail.append(line)
+        if line.startswith(PREEMPTED_PREFIX):
+            task.preempted = line
+        elif line.startswith(RESUMED_PREFIX):
+            task.resumed = line
         if not show_progress and (redrawn or _EPOCH_HEADER.match(_ANSI.sub("", line))):
             continue
         with _print_lock:
@@ -341,10 +371,20 @@ def _remove_left_by_killed_launchers(parent: str) -> None:
 class _Job:
     """One `run_job` call: how to start, watch and stop its tasks, and what they did."""
 
-    def __init__(self, command, workers, chief, ps, evaluator, restarts, base_env, deadline, options):
+    def __init__(self, command, workers, chief, ps, evaluator, restarts, base_env, deadline, options,
+                 grace_period=None, min_workers=None):
         self.command = list(command)
         self.workers, self.chief, self.ps, self.evaluator = workers, chief, ps, evaluator
         self.restarts = restarts
+        self.grace_period = GRACE_PERIOD_S if grace_period is None else grace_period
+        # `--workers MIN:MAX`: the job's worker slots, each with its failures; a slot
+        # that fails more than `restarts` times is dropped while MIN remain.
+        self.min_workers = min_workers
+        self.slots = list(range(workers))
+        self.slot_failures: dict[int, int] = {}
+        self.resizes: list[dict] = []
+        self.signalled: Optional[int] = None  # the stop signal the launcher received
+        self.tasks: list[_Task] = []  # the current run's
         self.base_env = base_env
         self.deadline = deadline
         self.options = options
@@ -371,6 +411,7 @@ class _Job:
         env["TFDIST_RESTART_COUNT"] = str(attempt)
         env["TMPDIR"] = tmpdir
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env["TFDIST_GRACE_PERIOD"] = f"{self.grace_period:g}"
         try:
             process = subprocess.Popen(
                 self.command,
@@ -404,7 +445,15 @@ class _Job:
         task.reader.join(timeout=2.0)
         code = task.process.returncode
         record = self.records[task.label]
-        if task.stopped_by_us and code != 0:
+        record.saved = None
+        if code == 0 and task.preempted is not None:
+            # "tfdist: preempted (SIGTERM): worker:0 saved DIR at epoch 2, step 5 of 7 (...) (...)"
+            match = _PREEMPTED.match(task.preempted)
+            signame, where = (match.group(1), match.group(2)) if match else ("a stop signal", "its step")
+            record.saved = where
+            record.ended = f"saved at {where} on {signame} and exited with status 0"
+            record.error_in_last_run = False
+        elif task.stopped_by_us and code != 0:
             record.ended = "stopped by the launcher"
         else:
             record.ended = _describe_exit(code)
@@ -415,12 +464,17 @@ class _Job:
         task.finalized = True
 
     def stop(self, tasks: Sequence[_Task]) -> None:
-        """SIGTERM to every process group still running, SIGKILL after the grace period."""
+        """SIGTERM to every process group still running, SIGKILL after the grace period.
+
+        After a stop signal to the launcher, the tasks get `grace_period` more
+        seconds: they save at their next step boundary (tfdist.preemption).
+        """
         running = [t for t in tasks if t.process.poll() is None]
         for t in running:
             t.stopped_by_us = True
             _signal_group(t, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        grace = STOP_GRACE_S + (self.grace_period if self.signalled is not None else 0.0)
+        deadline = time.monotonic() + grace
         for t in running:
             try:
                 t.process.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -441,6 +495,7 @@ class _Job:
         if self.evaluator:
             roles.append(("evaluator", 0))
         tasks: list[_Task] = []
+        self.tasks = tasks
         self.chief_done.clear()
         self.finished_ok.clear()
         begun = time.monotonic()
@@ -509,16 +564,35 @@ class _Job:
                 time.sleep(_POLL_S)
         finally:
             self.stop(tasks)
+            for resize in self.resizes:
+                if resize["attempt"] == attempt:
+                    chief = next((t for t in tasks if t.label == self.display_chief and t.resumed), None)
+                    match = _RESUMED.match(chief.resumed) if chief is not None else None
+                    resize["resumed"] = match.group(1) if match else None
 
     def _timed_out(self, tasks: Sequence[_Task]) -> int:
         self.stop(tasks)
         _say(f"the job did not finish within the timeout; stopped all {len(tasks)} processes.")
         return EXIT_TIMEOUT
 
+    def saved_by_every_worker(self) -> Optional[str]:
+        """Where every training task of the last run saved before it stopped on a stop signal, else None."""
+        trainers = [t for t in self.tasks if t.job in ("chief", "worker")]
+        if not trainers or any(t.process.poll() != 0 or t.preempted is None for t in trainers):
+            return None
+        chief = next((t for t in trainers if t.label == self.display_chief), trainers[0])
+        match = _PREEMPTED.match(chief.preempted)
+        return match.group(2) if match else "its checkpoint"
+
     def summary(self) -> None:
-        """One line per task: how its last run ended, its restarts, its last error line."""
+        """One line per task: how its last run ended, its restarts, its last error line; then the size changes."""
         if not self.records:
             return
+        for resize in self.resizes:
+            resumed = resize.get("resumed")
+            _say(f"summary: the job went from {resize['from']} to {resize['to']} workers after {resize['task']} "
+                 f"{resize['why']}; " + (f"the {resize['to']}-worker job resumed at {resumed}." if resumed
+                                         else "it did not report a resume (no BackupAndRestore backup to read)."))
         records = list(self.records.values())
         width = max(len(r.label) for r in records)
         ended = max(len(r.ended) for r in records)
@@ -581,6 +655,8 @@ def run_job(
     timeout: Optional[float] = None,
     all_progress: bool = False,
     tf_logs: bool = False,
+    grace_period: Optional[float] = None,
+    min_workers: Optional[int] = None,
 ) -> int:
     """Runs a multi-process job on this machine and returns its exit status.
 
@@ -611,9 +687,22 @@ def run_job(
             `False`: only the chief's).
         tf_logs: bool. Keep TensorFlow's start-up messages (default `False`:
             dropped).
+        grace_period: Optional float. Seconds each task gets to save at its
+            next step boundary and exit after the launcher receives SIGINT,
+            SIGTERM or SIGHUP (default `GRACE_PERIOD_S`, 30 s; passed to the
+            tasks as `TFDIST_GRACE_PERIOD`); SIGKILL follows `STOP_GRACE_S`
+            (5 s) later. When every worker saved, the launcher returns 0.
+        min_workers: Optional int. Lets the job change size: `workers` is the
+            most, `min_workers` the fewest. A worker that fails more than
+            `restarts` times (or twice the same way without progress) is
+            dropped and the job restarts with the others, resuming from its
+            last checkpoint (`BackupAndRestore`; tfdist.resume recomputes each
+            worker's share of the global batch), as long as `min_workers`
+            remain. Restarts are then counted per worker.
 
     Returns:
-        0 if the job succeeded; else the failed process's status (128 + signal
+        0 if the job succeeded, or stopped on a stop signal after every worker
+        saved; else the failed process's status (128 + signal
         number if it was killed), 124 on timeout, 127 (126) when the command
         cannot be found (run), 128 + the signal's number when stopped by
         SIGINT (130), SIGTERM or SIGHUP.
@@ -629,17 +718,21 @@ def run_job(
     ```
     """
     _check_arguments(command, workers, chief, ps, evaluator, restarts, timeout)
+    _check_elastic(workers, min_workers, ps, grace_period)
     base_env = dict(os.environ)
     base_env.update({str(k): str(v) for k, v in (env or {}).items()})
     deadline = None if timeout is None else time.monotonic() + timeout
     options = _OutputOptions(all_progress=bool(all_progress), tf_logs=bool(tf_logs))
 
     received = []
+    job = None
 
     def on_signal(signum, frame):
         # Raise once; a second signal must not interrupt the stopping itself.
         if not received:
             received.append(signum)
+            if job is not None:
+                job.signalled = signum  # the tasks get the grace period to save
             raise _Interrupted(signum)
 
     previous = {}
@@ -648,37 +741,23 @@ def run_job(
             sig = getattr(signal, name, None)
             if sig is not None:
                 previous[sig] = signal.signal(sig, on_signal)
-    job = None
     try:
-        job = _Job(command, workers, chief, ps, evaluator, restarts, base_env, deadline, options)
-        last_signature, quick_in_a_row = None, 0
-        for attempt in range(restarts + 1):
-            status, signature, seconds = job.run_once(attempt)
-            if status == 0 or signature is None:
-                return status
-            if attempt == restarts:
-                break
-            quick = seconds < PROGRESS_S
-            if quick and signature == last_signature:
-                _say(_same_failure(signature, "a restart would fail the same way, so the job stops here"))
-                return status
-            last_signature = signature
-            quick_in_a_row = quick_in_a_row + 1 if quick else 0
-            wait = _backoff(quick_in_a_row)
-            if deadline is not None and time.monotonic() + wait > deadline:
-                _say("the job did not finish within the timeout; not restarting it.")
-                return EXIT_TIMEOUT
-            _say(f"restarting the job (restart {attempt + 1} of {restarts}) in {wait:g} s.")
-            time.sleep(wait)
-        _say(f"the job failed {restarts + 1} time(s); giving up.")
-        return status
+        job = _Job(command, workers, chief, ps, evaluator, restarts, base_env, deadline, options,
+                   grace_period=grace_period, min_workers=min_workers if min_workers != workers else None)
+        return _run_attempts(job)
     except _CannotStart as e:
         job.records.clear()  # nothing ran: no summary
         _say(f"{e}. Check the command after `--`, e.g. tfdist launch --workers 2 -- python train.py")
         return e.status
     except (_Interrupted, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, _Interrupted) else signal.SIGINT
-        _say(f"{signal.Signals(signum).name} received; stopped every process of the job.")
+        name = signal.Signals(signum).name
+        saved = job.saved_by_every_worker() if job is not None else None
+        if saved is not None:
+            _say(f"{name} received; every worker saved {saved} and exited. Run the same command again to "
+                 "resume there (at any number of workers).")
+            return 0
+        _say(f"{name} received; stopped every process of the job.")
         return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
     finally:
         if job is not None:
@@ -686,6 +765,78 @@ def run_job(
             shutil.rmtree(job.tmp_root, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _check_elastic(workers, min_workers, ps, grace_period) -> None:
+    if grace_period is not None and (isinstance(grace_period, bool) or not isinstance(grace_period, (int, float))
+                                     or grace_period <= 0):
+        raise ValueError(f"Argument 'grace_period' must be a number of seconds > 0 or None. "
+                         f"Received: grace_period={grace_period!r}")
+    if min_workers is None:
+        return
+    if isinstance(min_workers, bool) or not isinstance(min_workers, int) or not 1 <= min_workers <= workers:
+        raise ValueError(f"Argument 'min_workers' must be an integer in 1..workers ({workers}). "
+                         f"Received: min_workers={min_workers!r}")
+    if ps and min_workers != workers:
+        raise ValueError("Argument 'min_workers' (a job that changes size) needs a synchronous job; with "
+                         f"parameter servers a failed worker restarts in place. Received: min_workers="
+                         f"{min_workers}, ps={ps}")
+
+
+def _run_attempts(job: _Job) -> int:
+    """Runs the job, restarting it (at the same size, or at fewer workers: `min_workers`) as failures allow."""
+    restarts = job.restarts
+    last_signature, quick_in_a_row, restarts_used, attempt = None, 0, 0, 0
+    while True:
+        status, signature, seconds = job.run_once(attempt)
+        if status == 0 or signature is None:
+            saved = job.saved_by_every_worker()
+            if status == 0 and saved is not None:
+                _say(f"a stop signal reached the job; every worker saved {saved} and exited. Run the same "
+                     "command again to resume there (at any number of workers).")
+            return status
+        quick = seconds < PROGRESS_S
+        repeated = quick and signature == last_signature
+        label = signature[0]
+        if job.min_workers is not None and label.startswith("worker:"):
+            index = int(label.split(":")[1])
+            slot = job.slots[index]
+            failures = job.slot_failures[slot] = job.slot_failures.get(slot, 0) + 1
+            if failures > restarts or repeated:
+                why = (f"failed {failures} time(s), more than --restarts {restarts} allows" if failures > restarts
+                       else "failed as in its previous run, with no progress in between")
+                if len(job.slots) - 1 < job.min_workers:
+                    _say(f"{label} {why}, and the job cannot go below {job.min_workers} worker(s); giving up.")
+                    return status
+                old = len(job.slots)
+                del job.slots[index]
+                job.workers = len(job.slots)
+                job.resizes.append({"from": old, "to": job.workers, "task": label, "why": why,
+                                    "attempt": attempt + 1})
+                what = (f"{label} {why}: restarting the job with the remaining {job.workers} worker(s) "
+                        f"(at least {job.min_workers}), resuming from its last checkpoint")
+                last_signature = None  # another size: another job
+            else:
+                what = f"restarting the job ({label}: failure {failures} of the {restarts} allowed)"
+                last_signature = signature
+        else:
+            if restarts_used >= restarts:
+                _say(f"the job failed {restarts + 1} time(s); giving up.")
+                return status
+            if repeated:
+                _say(_same_failure(signature, "a restart would fail the same way, so the job stops here"))
+                return status
+            restarts_used += 1
+            last_signature = signature
+            what = f"restarting the job (restart {restarts_used} of {restarts})"
+        quick_in_a_row = quick_in_a_row + 1 if quick else 0
+        wait = _backoff(quick_in_a_row)
+        if job.deadline is not None and time.monotonic() + wait > job.deadline:
+            _say("the job did not finish within the timeout; not restarting it.")
+            return EXIT_TIMEOUT
+        _say(f"{what} in {wait:g} s.")
+        time.sleep(wait)
+        attempt += 1
 
 
 # ---------------------------------------------------------------------------
@@ -817,9 +968,37 @@ def devices_per_worker_environment(k: int, environ=None) -> dict:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerCount:
+    """`--workers N` (a fixed size) or `--workers MIN:MAX` (a job that may shrink to MIN)."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerCount:
+        import argparse
+
+        parts = text.split(":")
+        if len(parts) > 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"expected a number of workers N or a range MIN:MAX (e.g. 2:4). Received: {text!r}")
+        low, high = (int(parts[0]), int(parts[-1]))
+        if len(parts) == 2 and not 1 <= low <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected MIN:MAX with 1 <= MIN <= MAX (e.g. 2:4). Received: {text!r}")
+        return cls(low, high)
+
+    def __str__(self) -> str:
+        return str(self.high) if self.low == self.high else f"{self.low}:{self.high}"
+
+
 def add_arguments(p) -> None:
-    """The flags of `tfdist launch`."""
-    p.add_argument("--workers", type=int, required=True, help="number of worker processes")
+    """The flags of `tfdist launch` (`p` is an `argparse` parser; more may be added after these)."""
+    p.add_argument("--workers", type=WorkerCount.parse, required=True, metavar="N|MIN:MAX",
+                   help="number of worker processes; MIN:MAX starts MAX and, when a worker fails more than "
+                        "--restarts allows, restarts the job with the others while MIN remain, resuming from "
+                        "its last checkpoint")
     p.add_argument("--chief", action="store_true", help="add a chief process (else worker:0 is the chief)")
     p.add_argument("--ps", type=int, default=0, help="number of parameter-server processes (default 0)")
     p.add_argument("--evaluator", action="store_true", help="add an evaluator process")
@@ -829,6 +1008,10 @@ def add_arguments(p) -> None:
              "early when a failure repeats with no progress); with --ps, restart a failed worker in place",
     )
     p.add_argument("--timeout", type=float, default=None, help="stop the job after S seconds (exit 124)")
+    p.add_argument("--grace-period", type=float, default=None, metavar="S",
+                   help="seconds each task gets, after the launcher receives SIGINT, SIGTERM or SIGHUP, to save "
+                        f"at its next step boundary and exit (sets TFDIST_GRACE_PERIOD; default {GRACE_PERIOD_S:g}); "
+                        f"SIGKILL follows {STOP_GRACE_S:g} s later")
     p.add_argument("--startup-timeout", type=float, default=None, metavar="S",
                    help="seconds each task waits at start-up for the others to answer before it fails, "
                         "naming them (sets TFDIST_STARTUP_TIMEOUT; default 300)")
@@ -848,11 +1031,11 @@ def add_arguments(p) -> None:
                    help="record each worker's steps, phases and collectives and merge them into one Chrome trace "
                         "(docs/performance.md)")
     p.usage = (
-        "tfdist launch --workers N [--chief] [--ps M] [--evaluator] [--restarts K] [--timeout S] "
-        "[--startup-timeout S] [--all-progress] [--tf-logs] [--private-network] [--devices-per-worker K] "
-        "[--timeline FILE] -- python train.py ARGS"
+        "tfdist launch --workers N|MIN:MAX [--chief] [--ps M] [--evaluator] [--restarts K] [--timeout S] "
+        "[--grace-period S] [--startup-timeout S] [--all-progress] [--tf-logs] [--private-network] "
+        "[--devices-per-worker K] [--timeline FILE] -- python train.py ARGS"
     )
-    p.epilog = "Signals, restarts and network exposure: docs/operations.md"
+    p.epilog = "Signals, preemption, restarts, jobs that change size and network exposure: docs/operations.md"
 
 
 def main(args) -> int:
@@ -876,27 +1059,38 @@ def main(args) -> int:
             _say(f"--devices-per-worker must be an integer >= 1. Received: --devices-per-worker {per_worker}")
             return 2
         env = dict(env or {}, **devices_per_worker_environment(per_worker))
+    count = args.workers if isinstance(args.workers, WorkerCount) else WorkerCount(args.workers, args.workers)
+    grace = getattr(args, "grace_period", None)
+    if grace is not None and not grace > 0:
+        _say(f"--grace-period must be a number of seconds > 0. Received: --grace-period {grace:g}")
+        return 2
     try:
         if getattr(args, "private_network", False) and not _in_private_network():
             # Usage errors first, in this process, not after re-executing it.
-            _check_arguments(command, args.workers, args.chief, args.ps, args.evaluator, args.restarts,
+            _check_arguments(command, count.high, args.chief, args.ps, args.evaluator, args.restarts,
                              args.timeout)
+            _check_elastic(count.high, count.low, args.ps, grace)
             return _enter_private_network(args, command)
+
+        def run(env):
+            return run_job(command, count.high, chief=args.chief, ps=args.ps, evaluator=args.evaluator,
+                           restarts=args.restarts, timeout=args.timeout, env=env,
+                           all_progress=getattr(args, "all_progress", False),
+                           tf_logs=getattr(args, "tf_logs", False),
+                           grace_period=grace, min_workers=count.low if count.low != count.high else None)
+
         timeline = getattr(args, "timeline", None)
         if timeline:  # each task records, the launcher merges (tfdist.report.timeline)
             from tfdist.report.timeline import recording
 
-            with recording(timeline, env) as env:
-                return run_job(command, args.workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator,
-                               restarts=args.restarts, timeout=args.timeout, env=env,
-                               all_progress=getattr(args, "all_progress", False),
-                               tf_logs=getattr(args, "tf_logs", False))
-        return run_job(command, args.workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator,
-                       restarts=args.restarts, timeout=args.timeout, env=env,
-                       all_progress=getattr(args, "all_progress", False), tf_logs=getattr(args, "tf_logs", False))
+            with recording(timeline, env) as recorded_env:
+                return run(recorded_env)
+        return run(env)
     except ValueError as e:
         _say(str(e).replace("Argument 'workers'", "--workers").replace("Argument 'ps'", "--ps")
              .replace("Argument 'restarts'", "--restarts").replace("Argument 'timeout'", "--timeout")
+             .replace("Argument 'grace_period'", "--grace-period")
+             .replace("Argument 'min_workers'", "--workers MIN:MAX's MIN")
              .replace("pass workers >= 1 or chief=True", "pass --workers 1 or more, or --chief")
              .replace("seconds > 0 or None", "seconds > 0 (leave --timeout out for no limit)"))
         return 2

@@ -323,9 +323,10 @@ def test_tf_config_required_when_asked_for(monkeypatch):
         ({"auto_shard": "rows"},
          "option 'auto_shard' must be one of 'auto', 'file', 'data', 'off'. Received: auto_shard='rows'"),
         ({"hierarchical": "yes"}, "option 'hierarchical' must be True or False. Received: hierarchical='yes' (type str)"),
-        ({"cluster": "kubernetes"},
+        ({"cluster": "k8s"},
          "option 'cluster' must be 'tf_config' (read the TF_CONFIG environment variable), 'slurm' (this "
-         "Slurm job step), a TF_CONFIG dict, or a tfdist.cluster.ClusterConfig. Received: cluster='kubernetes'"),
+         "Slurm job step), 'kubernetes' (this pod of an Indexed Job), a TF_CONFIG dict, or a "
+         "tfdist.cluster.ClusterConfig. Received: cluster='k8s'"),
     ],
 )
 def test_bad_options_are_named(kwargs, message):

@@ -1354,3 +1354,49 @@ def attach_to_optimizer(optimizer, name: str, state) -> None:
 def beside_optimizer(optimizer, name: str):
     """The state `attach_to_optimizer` set as `name`, or None."""
     return getattr(optimizer, name, None) if optimizer is not None else None
+
+
+# ---------------------------------------------------------------------------
+# Exact resume and preemption (tfdist.checkpointing, tfdist.preemption).
+# Verified on Keras 3.15.
+# ---------------------------------------------------------------------------
+
+
+def set_backup_and_restore_batch(callback, batch: int) -> None:
+    """Sets the batch `BackupAndRestore` last saw in this epoch, and restarts its `save_freq` count.
+
+    A resumed epoch's skipped batches are not seen by Keras's own
+    `on_train_batch_end` (it would save a backup during them); this keeps its
+    count where the skipped batches leave it.
+    """
+    callback._last_batch_seen = batch
+    callback._batches_seen_since_last_saving = 0
+
+
+def write_weights_h5(model, file) -> None:
+    """Writes `model.save_weights`'s `.weights.h5` content into `file` (an `io.BytesIO`).
+
+    Keras's `saving_lib.save_weights_only` without its file name check:
+    `H5IOStore` on a `BytesIO`, then `_save_state` (Keras 3.5 to 3.15). The
+    same objects save their variables as for `model.save_weights(path)`
+    (the sharded optimizer its canonical state).
+    """
+    from keras.src.saving import saving_lib
+
+    store = saving_lib.H5IOStore(file, mode="w")
+    try:
+        saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="",
+                               visited_saveables=set())
+    finally:
+        store.close()
+
+
+def set_resume_epoch(model, epoch: int) -> None:
+    """Makes `fit` start at `epoch`, as `BackupAndRestore._load_model` does (`model._initial_epoch`)."""
+    model._initial_epoch = epoch
+
+
+def optimizer_strategy(optimizer):
+    """The `tf.distribute` strategy a Keras optimizer was created under (`_distribution_strategy`,
+    read by its TensorFlow backend to create its slots; Keras 3.0 to 3.15), or None."""
+    return getattr(optimizer, "_distribution_strategy", None)

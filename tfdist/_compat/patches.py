@@ -84,6 +84,10 @@ class Patch:
 
 
 _TRAINER = "keras.src.backend.tensorflow.trainer:TensorFlowTrainer"
+
+# What a strategy may announce when it is created (`tfdist.strategies.base.run_creation_hooks`);
+# a need no patch lists installs nothing (multi_worker's `fit` patch is installed with every strategy).
+NEEDS = ("multi_worker", "parameter_server", "sharded_parameters")
 _KERAS_VARIABLE = "keras.src.backend.tensorflow.core:Variable"
 
 PATCHES: tuple[Patch, ...] = (
@@ -222,6 +226,15 @@ PATCHES: tuple[Patch, ...] = (
         verified=NEWEST,
     ),
     Patch(
+        "Model.load_weights",
+        "keras:Model.load_weights",
+        "Loading a local weights file into a tfdist model checks the SHA-256 tfdist wrote beside it "
+        "(a `.keras` file: its zip CRC-32s) and names the file in every read error.",
+        "Keras loads a `.weights.h5` whose bytes were overwritten silently, and its h5py errors "
+        "(\"Unable to synchronously open file (truncated file...)\") do not name the file.",
+        verified=NEWEST,
+    ),
+    Patch(
         "BackupAndRestore.on_train_begin",
         "keras:callbacks.BackupAndRestore.on_train_begin",
         "Before restoring a tfdist model, a backup interrupted between its two renames is "
@@ -237,6 +250,31 @@ PATCHES: tuple[Patch, ...] = (
         "As `Model.save`.",
         verified=NEWEST,
     ),
+    Patch(
+        "BackupAndRestore.on_epoch_begin",
+        "keras:callbacks.BackupAndRestore.on_epoch_begin",
+        "A tfdist model's backup tracks the data position from each epoch's start (`tfdist.resume`).",
+        "`BackupAndRestore(save_freq=N)` resumes at the start of the epoch and applies the "
+        "steps since it twice.",
+        verified=NEWEST,
+    ),
+    Patch(
+        "BackupAndRestore.on_train_batch_end",
+        "keras:callbacks.BackupAndRestore.on_train_batch_end",
+        "A resumed epoch skips the steps already in the restored weights; after each step, a "
+        "preempted job (SIGTERM, SIGINT: `tfdist.preemption`) saves the backup on every worker "
+        "and exits 0.",
+        "As `BackupAndRestore.on_epoch_begin`; Keras 3 has no preemption handling in `fit` "
+        "(TensorFlow's `PreemptionCheckpointHandler` must be called by the user).",
+        verified=NEWEST,
+    ),
+    Patch(
+        "BackupAndRestore.on_train_end",
+        "keras:callbacks.BackupAndRestore.on_train_end",
+        "The backup's resume and preemption bookkeeping of a tfdist model ends with `fit`.",
+        "As `BackupAndRestore.on_epoch_begin`.",
+        verified=NEWEST,
+    ),
     # --- Announced needs. ---
     Patch(
         "TensorFlowTrainer.fit",
@@ -244,11 +282,11 @@ PATCHES: tuple[Patch, ...] = (
         "Under a strategy whose host loop replaces Keras's (the parameter server), `fit` runs it; "
         "under one that redirects non-chief writes (multi_worker), a non-chief worker's "
         "ModelCheckpoint, TensorBoard and BackupAndRestore write to a temporary directory. Every "
-        "other model: Keras's own `fit`.",
+        "other model: Keras's own `fit`. Under every tfdist strategy, the backup's resume and "
+        "preemption bookkeeping is closed when `fit` raises or exits.",
         "keras-team/keras#20585 (Keras 3 fit under ParameterServerStrategy: \"To use this dataset, "
         "you need to pass this dataset to ClusterCoordinator.create_per_worker_dataset\"); Keras "
         "3's callbacks know nothing of workers (tf-keras's did).",
-        needs=("multi_worker", "parameter_server"),
     ),
     Patch(
         "TensorFlowTrainer.evaluate",
@@ -463,7 +501,7 @@ def install(need: str | None = None) -> list[str]:
             Otherwise one of the needs a strategy announces ("multi_worker",
             "parameter_server", "sharded_parameters").
     """
-    known = {n for p in PATCHES for n in p.needs}
+    known = set(NEEDS)
     if need is not None and need not in known:
         raise ValueError(f"Argument 'need' must be None or one of {sorted(known)}. Received: need={need!r}")
     chosen = [

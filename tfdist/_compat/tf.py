@@ -646,3 +646,51 @@ def first_replica_spec(spec):
         return values[0] if values else s
 
     return tf.nest.map_structure(first, spec, expand_composites=False)
+# ---------------------------------------------------------------------------
+# The coordination service's key-value store (tfdist.preemption). Verified on
+# TensorFlow 2.16 to 2.21: `context.set_config_key_value` raises
+# AlreadyExistsError for a key that exists, `get_config_key_value(key,
+# timeout_in_ms)` blocks (releasing the GIL) and raises DeadlineExceededError.
+# ---------------------------------------------------------------------------
+
+
+def coordination_service_enabled() -> bool:
+    """Whether this process's eager context talks to a coordination service (a multi-worker job)."""
+    from tensorflow.python.eager import context
+
+    return bool(context.context().coordination_service)
+
+
+def insert_key_value(key: str, value: str) -> bool:
+    """Stores `key` in the job's coordination service; False when another task stored it first."""
+    from tensorflow.python.eager import context
+
+    try:
+        context.context().set_config_key_value(key, value)
+    except tf.errors.AlreadyExistsError:
+        return False
+    return True
+
+
+def get_key_value(key: str, timeout_s: float):
+    """The value of `key` in the job's coordination service, waiting up to `timeout_s`; None after that."""
+    from tensorflow.python.eager import context
+
+    try:
+        return context.context().get_config_key_value(key, max(1, int(timeout_s * 1000)))
+    except tf.errors.DeadlineExceededError:
+        return None
+
+
+def spans_processes(strategy) -> bool:
+    """Whether a strategy trains across processes.
+
+    Its extended's `_in_multi_worker_mode()` (TensorFlow 2.16 to 2.21: False for
+    mirrored, central storage and a one-worker collective strategy, True for a
+    collective strategy of several workers), or, for `ParameterServerStrategyV2`
+    (whose extended says False), its public `cluster_resolver` with ps tasks in it.
+    """
+    if strategy.extended._in_multi_worker_mode():
+        return True
+    resolver = getattr(strategy, "cluster_resolver", None)
+    return bool(resolver is not None and resolver.cluster_spec().as_dict().get("ps"))

@@ -23,10 +23,10 @@ CLUSTER = options_lib.Option(
     types=(str, dict, cluster_lib.ClusterConfig),
     expected=(
         "'tf_config' (read the TF_CONFIG environment variable), 'slurm' (this Slurm job "
-        "step), a TF_CONFIG dict, or a tfdist.cluster.ClusterConfig"
+        "step), 'kubernetes' (this pod of an Indexed Job), a TF_CONFIG dict, or a tfdist.cluster.ClusterConfig"
     ),
     doc="Where the job's description comes from; default TF_CONFIG (one local worker if unset).",
-    check=lambda v: not isinstance(v, str) or v in ("tf_config", "slurm"),
+    check=lambda v: not isinstance(v, str) or v == "tf_config" or v in cluster_lib.NAMED_CLUSTERS,
 )
 CLUSTER_RESOLVER = options_lib.Option(
     name="cluster_resolver",
@@ -102,8 +102,9 @@ class MultiWorkerMirroredStrategy(TfdistStrategy, tf.distribute.MultiWorkerMirro
     local worker, so the same script also runs as one process.
 
     Args:
-        cluster: Optional. `"tf_config"` (default behaviour), `"slurm"`, a
-            TF_CONFIG dict, or a `tfdist.cluster.ClusterConfig`.
+        cluster: Optional. `"tf_config"` (default behaviour), `"slurm"`,
+            `"kubernetes"` (`tfdist.cluster.from_kubernetes`), a TF_CONFIG
+            dict, or a `tfdist.cluster.ClusterConfig`.
         cluster_resolver: Optional `tf.distribute.cluster_resolver.ClusterResolver`
             to use instead of `cluster`.
         communication: str. `"auto"` (default), `"ring"` or `"nccl"`.
@@ -453,8 +454,8 @@ def _resolve(cluster: Any, resolver, num_gpus: int):
             source=f"cluster_resolver {type(resolver).__name__}",
         )
         return config, resolver
-    if cluster == "slurm":
-        config = cluster_lib.from_slurm()
+    if isinstance(cluster, str) and cluster in cluster_lib.NAMED_CLUSTERS:
+        config = cluster_lib.NAMED_CLUSTERS[cluster]()
     elif isinstance(cluster, cluster_lib.ClusterConfig):
         config = cluster
     elif isinstance(cluster, dict):
