@@ -587,8 +587,8 @@ def test_the_package_loads_on_first_use_and_installs_the_keras_hooks_before_any_
         import tfdist
         print("after import:", "tensorflow" in sys.modules)
         strategy = tfdist.get_strategy("mirrored")
-        from tfdist import keras_integration
-        print("after get_strategy:", "tensorflow" in sys.modules, keras_integration._installed)
+        from tfdist._compat import patches
+        print("after get_strategy:", "tensorflow" in sys.modules, "Trainer.compile" in patches.installed())
         print(tfdist.strategy_names() == tfdist.registry.strategy_names(), tfdist.OptionError.__module__)
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -608,8 +608,8 @@ def test_a_strategy_class_imported_from_its_module_still_installs_the_hooks():
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
             model.compile("sgd", "mse")
         model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
-        from tfdist import keras_integration
-        print(keras_integration._installed, model.train_function.__module__)
+        from tfdist._compat import patches
+        print("Trainer.compile" in patches.installed(), model.train_function.__module__)
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.stdout.splitlines() == ["True tfdist.engine.loop"], done.stderr[-2000:]

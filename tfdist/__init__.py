@@ -15,12 +15,13 @@ model.fit(x, y, batch_size=64, epochs=3)
 
 `import tfdist` itself loads neither TensorFlow nor Keras, so that the
 `tfdist` command (`tfdist launch --help`, the launcher's own process) starts
-at once. The first use of any other name of the package (`tfdist.get_strategy`,
-`tfdist.strategies`, `from tfdist import data`, ...) loads it whole.
-`tfdist.cli`, `tfdist.launch`, `tfdist.cluster`, `tfdist.options` and
-`tfdist.datasets` and `tfdist.tuning` load alone, without TensorFlow. With `TFDIST_LOCAL_DEVICES`
-set, `import tfdist` loads everything at once, as the devices must be split
-before TensorFlow initialises them.
+at once. The first use of a public function or class (`tfdist.get_strategy`,
+`tfdist.configure_local_devices`, ...) loads the package whole; a submodule
+(`tfdist.data`, `tfdist.callbacks`) loads itself and what it imports.
+`tfdist.cli`, `tfdist.launch`, `tfdist.cluster`, `tfdist.options`,
+`tfdist.datasets` and `tfdist.tuning` load without TensorFlow. With
+`TFDIST_LOCAL_DEVICES` set, `import tfdist` loads everything at once, as the
+devices must be split before TensorFlow initialises them.
 
 Neither importing nor loading changes Keras or TensorFlow: tfdist's patches
 (`tfdist._compat.patches`, docs/compat.md) are installed when a tfdist
@@ -122,7 +123,11 @@ def __getattr__(name: str):
     if name.startswith("__"):
         raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
     module = _PUBLIC.get(name, f"tfdist.{name}")
-    if module.split(".")[1] not in _LIGHT_MODULES:
+    # A public function or class loads the package whole; a submodule (`tfdist.data`,
+    # `from tfdist import collectives` inside another module's import) imports just
+    # itself and what it imports, so a module reached half-way through another's import
+    # never pulls in the rest of the package around it (an import cycle at run time).
+    if name in _PUBLIC and module.split(".")[1] not in _LIGHT_MODULES:
         _load()
     try:
         found = _importlib.import_module(module)
