@@ -255,7 +255,7 @@ def _patched_predict_on_batch(original):
 def _patched_symbolic_build(original):
     @functools.wraps(original)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Upstream Keras (3.5 to 3.15) takes one batch from a fresh distributed
+        # Upstream Keras (3.10 to 3.15) takes one batch from a fresh distributed
         # iterator only to learn the input's shapes, and averages it over
         # replicas with `strategy.reduce("MEAN")`. The average fails when the
         # global batch does not split evenly (30 over 4 replicas: "Inputs to
@@ -524,7 +524,7 @@ def _patched_fit(original):
     `strategy.write_dir(path)`; `BackupAndRestore` still restores from the
     chief's directory. Uses the private attributes of `BackupAndRestore`
     (`_weights_path`, `_training_metadata_path`, `_prev_*`), verified on Keras
-    3.8 to 3.15. Every other model: Keras's own `fit`, called as given.
+    3.10 to 3.15. Every other model: Keras's own `fit`, called as given.
     """
     signature = inspect.signature(original)
 

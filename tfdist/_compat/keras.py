@@ -132,7 +132,7 @@ def stored_variable(v):
     In a stateless scope that maps it, `keras.Variable.value` (and so
     `handle`, which `tf.GradientTape.gradient` reads) is the mapped tensor,
     which has no handle. Private: `Variable._value` (the TensorFlow backend's
-    storage). Verified on Keras 3.5 to 3.15.
+    storage). Verified on Keras 3.10 to 3.15.
     """
     return v._value if isinstance(v, keras.Variable) else v
 
@@ -185,7 +185,7 @@ def _placed_backend_update_step(self, grads, trainable_variables, learning_rate)
     variable's update itself: this method, in a class put between the
     optimizer's own classes and Keras's TensorFlow backend
     (`run_update_step`), hands each `(gradient, variable)` to the placement.
-    Verified on Keras 3.5 to 3.15 (`keras.src.backend.tensorflow.optimizer.TFOptimizer`).
+    Verified on Keras 3.10 to 3.15 (`keras.src.backend.tensorflow.optimizer.TFOptimizer`).
     """
     place = self.__dict__["_tfdist_place_update"]
     for grad, variable in zip(grads, trainable_variables):
@@ -268,7 +268,7 @@ def fresh_keras_names():
     each call get the same names and their variables the same paths
     (`dense/kernel`), which is what the runner keys reused variables on.
     Keras keeps the counter in `keras.src.backend.common.global_state`
-    (per thread). Verified on Keras 3.5 to 3.15.
+    (per thread). Verified on Keras 3.10 to 3.15.
     """
     import collections
     import contextlib
@@ -292,7 +292,7 @@ def keras_name_scope_path() -> str:
 
     Keras 3 computes `Variable.path` from the same private stack
     (`keras.src.backend.common.name_scope.current_path`). Verified on Keras
-    3.5 to 3.15.
+    3.10 to 3.15.
     """
     from keras.src.backend.common.name_scope import current_path
 
@@ -342,7 +342,7 @@ def symbolic_build(model, data_batch) -> None:
 def epoch_element_spec(epoch_iterator):
     """One replica's element spec of a Keras TF epoch iterator's input, or None.
 
-    Reads `TFEpochIterator._distributed_dataset` (Keras 3.5 to 3.15) and unwraps
+    Reads `TFEpochIterator._distributed_dataset` (Keras 3.10 to 3.15) and unwraps
     `PerReplicaSpec` (TF 2.16 to 2.21) to its first replica's spec. None when the
     iterator has no such dataset (another input kind): the caller then reads a batch.
     """
@@ -494,7 +494,7 @@ def _number_conversion(convert):
     'MirroredVariable'" (stock `tf.distribute` too; no upstream issue found).
     Such a value is converted from `numpy()` (one replica's copy, which every
     copy equals for mirrored state). Other variables: Keras's own methods.
-    Verified on Keras 3.8 to 3.15 (`keras.src.backend.common.variables.Variable`).
+    Verified on Keras 3.10 to 3.15 (`keras.src.backend.common.variables.Variable`).
     """
 
     def wrap(original):
@@ -529,7 +529,7 @@ def seed_folding(applies):
     first share of the batch, and the state advances as on one device. The
     counter still advances every step, so every replica's draws change each
     step. Outside such a strategy (or with one replica): Keras's own `next`.
-    Verified on Keras 3.8 to 3.15 (`keras.src.random.seed_generator.SeedGenerator`).
+    Verified on Keras 3.10 to 3.15 (`keras.src.random.seed_generator.SeedGenerator`).
     """
 
     def wrap(original):
@@ -591,7 +591,7 @@ def keras_losses_unscaled():
     runs replicas in threads) Keras leaves the loss unscaled. The registry's
     `loss.scale_loss_for_distribution` (installed with every tfdist strategy,
     and here if not yet) defers to Keras outside the context. Verified on
-    Keras 3.8 to 3.15 (3.8 made Keras scale a replica's loss).
+    Keras 3.10 to 3.15 (3.8 made Keras scale a replica's loss).
     """
     patches.install_named("loss.scale_loss_for_distribution")
     state = _unscaled_losses
@@ -662,7 +662,7 @@ def recording_loss_reductions():
 
     Through the registry's `loss.reduce_weighted_values` (installed with every
     tfdist strategy, and here if not yet; it defers to Keras and records
-    nothing outside the context). Verified on Keras 3.8 to 3.15.
+    nothing outside the context). Verified on Keras 3.10 to 3.15.
     """
     patches.install_named("loss.reduce_weighted_values")
     return _thread_setting(_reduction_records, "records", [])
@@ -803,7 +803,7 @@ def keras_update_is_elementwise(optimizer) -> bool:
     """Whether `optimizer` updates with one of Keras's element-wise built-in updates, unchanged.
 
     The built-ins whose `update_step` reads and writes each element of a
-    variable and of its slots alone (verified on Keras 3.5 to 3.15): SGD, Adam
+    variable and of its slots alone (verified on Keras 3.10 to 3.15): SGD, Adam
     (and AdamW, which keeps Adam's), Adamax, Adagrad, Adadelta, RMSprop,
     Nadam, Lion, Ftrl, ScheduleFreeAdamW. Lamb (its trust ratio), Adafactor
     (factored moments), Muon (orthogonalisation) and MultiOptimizer are not.
@@ -829,7 +829,7 @@ def variable_at_path(path: str, value, trainable: bool = False) -> keras.Variabl
 
     Keras derives a variable's path from its name-scope stack
     (`keras.src.backend.common.name_scope`, `override_parent`; verified on
-    Keras 3.5 to 3.15); optimizers route and exclude variables by it
+    Keras 3.10 to 3.15); optimizers route and exclude variables by it
     (MultiOptimizer's map, Muon's `exclude_layers`, `exclude_from_weight_decay`
     names).
     """
@@ -850,7 +850,7 @@ def state_by_variable(optimizer) -> dict:
     the variable's position among the variables they were built on
     (`self._momentums[self._get_variable_index(v)]`: slots, Adafactor's
     factored moments, EMA's `_model_variables_moving_average`; verified on
-    Keras 3.5 to 3.15). A MultiOptimizer's sub-optimizers keep theirs.
+    Keras 3.10 to 3.15). A MultiOptimizer's sub-optimizers keep theirs.
     """
     optimizers = [optimizer] + (list(optimizer._inner_optimizers) if is_multi_optimizer(optimizer) else [])
     out: dict = {}
@@ -871,7 +871,7 @@ def state_by_variable(optimizer) -> dict:
 def updates_as(optimizer, variable, stand_in):
     """Inside: `optimizer` finds `variable`'s state for `stand_in`, a real `tf.Variable` it updates in its place.
 
-    Keras (verified on 3.5 to 3.15, TensorFlow backend) finds a variable's
+    Keras (verified on 3.10 to 3.15, TensorFlow backend) finds a variable's
     slots by its position, `_trainable_variables_indices[_var_key(v)]`
     (`_get_variable_index`); `stand_in` gets `variable`'s position for the
     duration, so `update_step(gradient, stand_in, lr)` reads and writes a
@@ -970,7 +970,7 @@ def stateless_values(scope) -> dict:
     """`{id(variable): value}` of a `keras.StatelessScope`: its mapping and the updates recorded so far.
 
     Private: `StatelessScope.state_mapping` (the dict `get_current_value`
-    reads and `add_update` writes). Verified on Keras 3.5 to 3.15.
+    reads and `add_update` writes). Verified on Keras 3.10 to 3.15.
     """
     return dict(scope.state_mapping)
 
@@ -993,7 +993,7 @@ def add_layer_loss(scope, layer, loss) -> None:
     Keras finds a layer's losses in the scope by identity (`Layer._loss_ids`,
     private): a loss computed inside the layer and passed on as another tensor
     (a `tf.custom_gradient` output) must be registered under the new tensor.
-    Verified on Keras 3.5 to 3.15.
+    Verified on Keras 3.10 to 3.15.
     """
     scope.add_loss(loss)
     layer._loss_ids.add(id(loss))
@@ -1063,7 +1063,7 @@ def keras_mask(tensor):
 
     A layer may clear its inputs' masks in its `call` (`MultiHeadAttention`
     does), so what a call saw is read before it runs. Private attribute,
-    verified on Keras 3.5 to 3.15.
+    verified on Keras 3.10 to 3.15.
     """
     return getattr(tensor, "_keras_mask", None)
 
@@ -1081,7 +1081,7 @@ def layer_call_state() -> tuple:
     The call context (`current_call_ctx`: the `training` flag sublayers
     inherit when none is passed) and the autocast scope (mixed precision:
     float variables read in the compute dtype). Private:
-    `keras.src.backend.common.global_state`. Verified on Keras 3.5 to 3.15.
+    `keras.src.backend.common.global_state`. Verified on Keras 3.10 to 3.15.
     """
     from keras.src.backend.common import global_state
 
@@ -1190,7 +1190,7 @@ def set_epoch_iterator_factory(epoch_iterator, factory) -> None:
 
 def epoch_distributed_dataset(epoch_iterator):
     """What a Keras TF epoch iterator made of its input (`TFEpochIterator._distributed_dataset`,
-    Keras 3.5 to 3.15): the strategy's `experimental_distribute_dataset` result, or None."""
+    Keras 3.10 to 3.15): the strategy's `experimental_distribute_dataset` result, or None."""
     return getattr(epoch_iterator, "_distributed_dataset", None)
 
 
@@ -1203,7 +1203,7 @@ def epoch_batch_size(epoch_iterator):
 
 def redirect_backup_and_restore(callback, backup_dir: str) -> None:
     """Points a `BackupAndRestore` at `backup_dir` after it restored (its private paths;
-    verified on Keras 3.5 to 3.15)."""
+    verified on Keras 3.10 to 3.15)."""
     import os
 
     callback.backup_dir = backup_dir
@@ -1260,7 +1260,7 @@ def same_named_subclass(cls, mixin):
     classes) or `object_registration.GLOBAL_CUSTOM_NAMES`
     (`register_keras_serializable`), else by its module
     (`keras.src.optimizers.adam`), which a loader without tfdist must not be
-    asked to import. Verified on Keras 3.5 to 3.15.
+    asked to import. Verified on Keras 3.10 to 3.15.
     """
     key = (cls, mixin)
     if key not in _derived:
@@ -1331,7 +1331,7 @@ def saved_beside_optimizer_class():
     are written as its dependencies, and restored when they are created later
     (deferred restoration). `_obj_type` must be a type Keras's walk knows
     (`get_attr_skipset`); "Loss" makes it skip only `keras.losses.Loss`'s own
-    attributes. Verified on Keras 3.5-3.15.
+    attributes. Verified on Keras 3.10-3.15.
     """
     from keras.src.saving.keras_saveable import KerasSaveable
 
@@ -1377,7 +1377,7 @@ def write_weights_h5(model, file) -> None:
     """Writes `model.save_weights`'s `.weights.h5` content into `file` (an `io.BytesIO`).
 
     Keras's `saving_lib.save_weights_only` without its file name check:
-    `H5IOStore` on a `BytesIO`, then `_save_state` (Keras 3.5 to 3.15). The
+    `H5IOStore` on a `BytesIO`, then `_save_state` (Keras 3.10 to 3.15). The
     same objects save their variables as for `model.save_weights(path)`
     (the sharded optimizer its canonical state).
     """

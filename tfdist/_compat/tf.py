@@ -70,7 +70,7 @@ def configure_variable_creation(strategy, on_read_devices=None) -> None:
        one whose initial value reads the traced function's tensors is left to
        TensorFlow.
 
-    Verified on TensorFlow 2.16 to 2.21 with Keras 3.5 to 3.15 (items 3 and 4 on
+    Verified on TensorFlow 2.16 to 2.21 with Keras 3.10 to 3.15 (items 3 and 4 on
     TensorFlow 2.21 with Keras 3.15).
     """
     from tensorflow.python.distribute import distribute_utils
