@@ -762,7 +762,14 @@ class TrainStep:
                 # in replica context, where a mirrored variable's assignment may
                 # synchronise (a `merge_call` cannot run inside a nested function).
                 self._assign_updates(updates)
-            elif self.jit_compile and not self.whole_step_xla:
+            elif self.whole_step_xla:
+                # One program for the whole step: the layers' state updates (BatchNorm's MEAN
+                # statistics would all-reduce, a collective inside the program) are written with
+                # the optimizer's, in cross-replica context (`_replica_whole_step`).
+                y_pred, loss, grads, self._pass.updates = self._stateless_forward_backward(
+                    x, y, sample_weight, on_loss
+                )
+            elif self.jit_compile:
                 with tfc.xla_compiled_ops():
                     y_pred, loss, grads = self._forward_backward(x, y, sample_weight, on_loss)
             else:
@@ -878,10 +885,21 @@ class TrainStep:
 
     # The whole step --------------------------------------------------------
     def _replica_whole_step(self, data) -> None:
-        """Replica context, one replica: all four phases (compiled by XLA as one program)."""
+        """Replica context, one replica: all four phases (compiled by XLA as one program).
+
+        No `merge_call`: where every replica is a GPU, TensorFlow calls a
+        jit-compiled function in the replica's thread rather than lifting it
+        into the host function (`mirrored_run.call_for_each_replica`), and a
+        `merge_call` inside fails there. The update runs in cross-replica
+        context entered in this thread (`_compat.tf.cross_replica_in_this_thread`),
+        as TensorFlow's base replica context merges for one replica: it
+        writes the one copy of each variable.
+        """
+        self._pass.updates = {}
         grads = self.finish(self.compute_gradients(data))
-        ctx = tf.distribute.get_replica_context()
-        ctx.merge_call(lambda strategy, g: self.apply(list(g)), args=(tuple(grads),))
+        with tfc.cross_replica_in_this_thread(self.strategy):
+            self._assign_updates(self._pass.updates)
+            self.apply(list(grads))
 
     def __call__(self, data):
         """Runs one step; returns the replicas' summed metric state if it rode along, else None."""
