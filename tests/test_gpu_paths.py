@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import tfdist
-from tfdist._compat import tf as tfc
 from tests.conftest import DEVICES
+from tfdist._compat import tf as tfc
 
 SAMPLES = 64  # two global batches of 32: one host call at sink_size=2, one update at accumulation_steps=2
 
