@@ -976,7 +976,7 @@ class ShardedState:
                 lo, hi = max(p.start, a), min(p.stop, a + n)
                 if lo >= hi:
                     continue
-                own = tf.raw_ops.DeepCopy(x=total[lo - a:hi - a])
+                own = collectives.copy_out(total[lo - a:hi - a])
                 parts = kept.setdefault((i, p.start), {})
                 parts[lo] = own if lo not in parts else parts[lo] + own
                 out.append(parts[lo])
@@ -1117,7 +1117,9 @@ class ShardedState:
         updated = {}
         for (replica, k), stand_in in placement.stand_ins.items():
             if k is None:
-                updated[replica] = [stand_in.value[b * c:(b + 1) * c] for b in range(buckets)]
+                # Cut where the slice is: without a device, on the first replica's (a round trip of every slice).
+                with tf.device(stand_in.value.device):
+                    updated[replica] = [stand_in.value[b * c:(b + 1) * c] for b in range(buckets)]
             else:
                 updated.setdefault(replica, [None] * buckets)[k] = stand_in.value
         return updated
@@ -1194,7 +1196,7 @@ class ShardedState:
                     # A slice at an aligned offset shares the gathered bucket's buffer, and a
                     # variable assigned from it would keep the whole bucket alive between steps
                     # (measured: 2 model-sized buffers over 4 replicas): copy it.
-                    whole = tf.raw_ops.DeepCopy(x=piece)
+                    whole = collectives.copy_out(piece)
                 else:
                     # In place, straight from the bucket; the last part ends copy-on-read mode.
                     ops = write_in_place(x, piece, p.start, p.stop, last=p.stop == size)
