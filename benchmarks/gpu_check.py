@@ -50,6 +50,7 @@ sections that no longer fit are reported as skipped. Never asserts.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import ctypes
 import dataclasses
 import json
@@ -108,7 +109,16 @@ class Sizes:
 
     @property
     def zoo_models(self) -> tuple:
-        return ("mlp", "recommender") if self.smoke else ()  # () = every zoo model
+        return ("mlp",) if self.smoke else ()  # () = every zoo model
+
+    @property
+    def zero_configs(self) -> list:
+        labels = [label for label, *_ in ZERO_CONFIGS]
+        return ["mirrored adam", "stage 2", "stage 3"] if self.smoke else labels
+
+    @property
+    def stock_rows(self) -> tuple:
+        return (("wide", "float32"),) if self.smoke else (("wide", "float32"), ("transformer", "mixed_bfloat16"))
 
     @property
     def zero(self) -> dict:
@@ -186,12 +196,19 @@ ONE_DEVICE_ROWS = [
 ]
 
 
+# The CPU smoke's rows: XLA with mixed_bfloat16 through the forced GPU branch (one replica's
+# whole step, which crashed on the H200), and sinking with one replica.
+SMOKE_ONE_DEVICE_ROWS = ("wide MLP mixed_bfloat16 + XLA", "digits MLP sink 32")
+
+
 def section_one(sizes: Sizes, memory_mb: int) -> dict:
     """One device: plain Keras against tfdist with one replica, per issue-36 row."""
     modules, devices = _modules(1, memory_mb, sizes.smoke)
     args = sizes.overhead_args
     rows, failures = [], []
     for label, row, sink, precision, xla, strategies in ONE_DEVICE_ROWS:
+        if sizes.smoke and label not in SMOKE_ONE_DEVICE_ROWS:
+            continue
         setting = overhead.Setting(row, sink, precision, xla, "numpy")
         configs = [overhead.Config(overhead.KERAS, 1)] + [overhead.Config(s, 1) for s in strategies]
         with _forced_branch(sizes.smoke):
@@ -255,12 +272,11 @@ def zoo_parity(modules, devices, sizes: Sizes, full_cudnn: bool, on_gpu: bool) -
     return results
 
 
-def prepare_stock(modules, setting, s: dict, data, devices):
-    """Plain Keras `fit` under stock `tf.distribute.MirroredStrategy` on `devices[:2]`; its timing window."""
+def prepare_stock(modules, strategy, setting, s: dict, data):
+    """Plain Keras `fit` under stock `tf.distribute.MirroredStrategy` (`strategy`); its timing window."""
     keras, tf, np, tfdist = modules
     x, y = data
     batch, steps = s["batch"], overhead.epoch_steps(setting, s)
-    strategy = tf.distribute.MirroredStrategy(devices=devices[:2])
     with strategy.scope():
         keras.utils.set_random_seed(0)
         if setting.precision != "float32":
@@ -285,16 +301,21 @@ def vs_stock(modules, devices, sizes: Sizes, failures: list) -> list:
     """tfdist mirrored (sink 1 and 32) against stock MirroredStrategy (sink 1) on the same 2 devices."""
     args = sizes.overhead_args
     out = []
-    for row, precision in (("wide", "float32"), ("transformer", "mixed_bfloat16")):
+    # One stock strategy for every row: each new MirroredStrategy starts its collective keys
+    # at 1 and would join the first one's groups (tensorflow/tensorflow#61314).
+    stock_strategy = modules[1].distribute.MirroredStrategy(devices=devices[:2])
+    mirrored = overhead.Config("mirrored", 2)
+    for row, precision in sizes.stock_rows:
         setting = overhead.Setting(row, 1, precision, False, "numpy")
         s = overhead.sizes(row, args)
         data = overhead.make_data(modules[2], modules[3], row, s, overhead.epoch_steps(setting, s) * s["batch"])
         builders = {
-            "stock MirroredStrategy": lambda: prepare_stock(modules, setting, s, data, devices),
-            "tfdist mirrored": lambda: overhead.prepare(
-                modules, overhead.Config("mirrored", 2), setting, s, data, devices),
-            "tfdist mirrored sink 32": lambda: overhead.prepare(
-                modules, overhead.Config("mirrored", 2), dataclasses.replace(setting, sink=32), s, data, devices,
+            "stock MirroredStrategy": lambda setting=setting, s=s, data=data: prepare_stock(
+                modules, stock_strategy, setting, s, data),
+            "tfdist mirrored": lambda setting=setting, s=s, data=data: overhead.prepare(
+                modules, mirrored, setting, s, data, devices),
+            "tfdist mirrored sink 32": lambda setting=setting, s=s, data=data: overhead.prepare(
+                modules, mirrored, dataclasses.replace(setting, sink=32), s, data, devices,
                 steps=overhead.epoch_steps(setting, s)),
         }
         prepared, windows = {}, {}
@@ -317,8 +338,11 @@ def vs_stock(modules, devices, sizes: Sizes, failures: list) -> list:
 
 
 def section_two(sizes: Sizes, memory_mb: int, on_gpu: bool) -> dict:
-    """Two logical devices: zoo parity, the sinking ratio and its bound, against stock MirroredStrategy."""
-    modules, devices = _modules(2, memory_mb, sizes.smoke)
+    """Two logical devices: zoo parity, the sinking ratio and its bound, against stock MirroredStrategy.
+
+    The CPU smoke also runs its ZeRO configurations here (one process less to start).
+    """
+    modules, devices = _modules(2, memory_mb, sizes.smoke, bfc=sizes.smoke)
     failures: list = []
     full_cudnn = cudnn_full()
     parity = zoo_parity(modules, devices, sizes, full_cudnn, on_gpu)
@@ -326,8 +350,11 @@ def section_two(sizes: Sizes, memory_mb: int, on_gpu: bool) -> dict:
     configs = [overhead.Config(overhead.KERAS, 1), overhead.Config("mirrored", 2)]
     sinking = overhead.run_setting(modules, setting, configs, sizes.overhead_args, devices, failures)
     stock = vs_stock(modules, devices, sizes, failures)
-    return {"devices": devices, "cudnn_full": full_cudnn, "zoo_parity": parity, "sinking": sinking,
-            "vs_stock": stock, "failures": failures}
+    result = {"devices": devices, "cudnn_full": full_cudnn, "zoo_parity": parity, "sinking": sinking,
+              "vs_stock": stock, "failures": failures}
+    if sizes.smoke:
+        result["zero"] = _zero_configs(modules, devices, sizes, sizes.zero_configs, on_gpu, failures)
+    return result
 
 
 def zero_config(modules, devices, sizes: Sizes, label: str, on_gpu: bool) -> dict:
@@ -353,7 +380,9 @@ def zero_config(modules, devices, sizes: Sizes, label: str, on_gpu: bool) -> dic
         )
     model.fit(x, y, batch_size=z["batch"], epochs=1, shuffle=False, verbose=0)  # builds, traces
     memory_devices = [f"GPU:{i}" for i in range(2)] if on_gpu else ["CPU:0"]
+    held = {}
     for d in memory_devices:
+        held[d] = tf.config.experimental.get_memory_info(d)["current"]
         tf.config.experimental.reset_memory_stats(d)
     seconds = []
     for _ in range(z["epochs"]):
@@ -365,21 +394,29 @@ def zero_config(modules, devices, sizes: Sizes, label: str, on_gpu: bool) -> dic
     return {
         "config": label, "parameters": int(sum(int(np.prod(v.shape)) for v in model.trainable_variables)),
         "peak_bytes": max(peaks.values()), "peaks": peaks, "step_seconds": step,
+        # Above what was held when the timed steps began (weights, optimizer state, earlier configurations).
+        "peak_growth_bytes": max(peaks[d] - held[d] for d in memory_devices),
         "samples_per_s": z["batch"] / step, "epoch_seconds": seconds,
         "measure": "peak allocator bytes per device" if on_gpu
         else "peak of the CPU allocator shared by the logical devices (smoke: not per device)",
     }
 
 
-def section_zero(sizes: Sizes, memory_mb: int, on_gpu: bool, labels: list) -> dict:
-    modules, devices = _modules(2, memory_mb, sizes.smoke, bfc=not on_gpu)
-    results, failures = [], []
+def _zero_configs(modules, devices, sizes: Sizes, labels: list, on_gpu: bool, failures: list) -> list:
+    results = []
     for label in labels:
         try:
             results.append(zero_config(modules, devices, sizes, label, on_gpu))
         except Exception as error:
             failures.append({"section": "zero", "config": label, "error": f"{type(error).__name__}: {error}"[:1000]})
-    return {"devices": devices, "results": results, "failures": failures}
+    return results
+
+
+def section_zero(sizes: Sizes, memory_mb: int, on_gpu: bool, labels: list) -> dict:
+    modules, devices = _modules(2, memory_mb, sizes.smoke, bfc=not on_gpu)
+    failures: list = []
+    return {"devices": devices, "results": _zero_configs(modules, devices, sizes, labels, on_gpu, failures),
+            "failures": failures}
 
 
 def child(args) -> None:
@@ -504,19 +541,24 @@ def main(argv=None) -> int:
     start = time.monotonic()
     print(f"gpu_check: {'GPU' if on_gpu else 'CPU smoke (no GPU found or --cpu-smoke)'}; budget {args.budget:.0f}s",
           flush=True)
-    results: dict = {"mode": mode, "failures": []}
+    results: dict = {"mode": mode, "failures": [], "zero": []}
     sections = [("one", 240), ("two", 240)]
     if on_gpu:
+        # One after another: timings on one GPU must not overlap, and each ZeRO peak is its process's own.
         sections += [(f"zero:{label}", 90) for label, *_ in ZERO_CONFIGS]
+        outcomes = [(name, run_section(name, mode, args, deadline, timeout)) for name, timeout in sections]
     else:
-        sections += [("zero:" + ",".join(label for label, *_ in ZERO_CONFIGS), 120)]
-    for name, timeout in sections:
-        result = run_section(name, mode, args, deadline, timeout)
+        # The smoke's two processes side by side (it times nothing that matters).
+        with concurrent.futures.ThreadPoolExecutor(len(sections)) as pool:
+            futures = [(name, pool.submit(run_section, name, mode, args, deadline, timeout))
+                       for name, timeout in sections]
+            outcomes = [(name, future.result()) for name, future in futures]
+    for name, result in outcomes:
         results["failures"] += result.pop("failures", [])
         if name.startswith("zero:"):
-            results.setdefault("zero", []).extend(result.get("results", []))
-            results.setdefault("zero_devices", result.get("devices"))
+            results["zero"].extend(result.get("results", []))
         else:
+            results["zero"].extend(result.pop("zero", []))
             results[name] = result
     lines = table(results, mode)
     header = ["section", "row", "configuration", "measured", "ratio", "target", "status"]
