@@ -376,8 +376,9 @@ def reduce_scatter_sum(grads: Sequence, layout):
             bucket = gather_range(layout, grads, *layout.bucket_range(k))
         trace_counter["reduce_scatter"] = trace_counter.get("reduce_scatter", 0) + 1
         (reduced,) = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [bucket], options=_ONE_COLLECTIVE_PER_BUFFER)
-        # A gather copies the own chunk (a slice could alias the whole bucket's buffer).
-        mine[k] = tf.gather(tf.reshape(reduced, [n, c]), replica)
+        # A gather copies the own chunk (a slice could alias the whole bucket's buffer); its
+        # index int64, which a GPU keeps in device memory (an int32 one is copied there per op).
+        mine[k] = tf.gather(tf.reshape(reduced, [n, c]), tf.constant(replica, tf.int64))
         previous = [mine[k]]
     return mine[0] if len(mine) == 1 else tf.concat([mine[k] for k in range(len(mine))], axis=0)
 

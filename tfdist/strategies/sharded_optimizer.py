@@ -1425,10 +1425,11 @@ def _writes_in_place(variable, value, start: int, stop: int) -> list:
     row = math.prod(shape[1:])
 
     def part_of_row(r: int, lo: int, hi: int, values):
-        current = tf.reshape(tf.raw_ops.ResourceGather(resource=handle, indices=tf.constant(r), dtype=dtype), [row])
+        # int64 indices: on a GPU an int32 tensor lives in host memory and is copied to the device for each op.
+        current = tf.reshape(tf.raw_ops.ResourceGather(resource=handle, indices=tf.constant(r, tf.int64), dtype=dtype), [row])
         updated = tf.raw_ops.TensorStridedSliceUpdate(input=current, begin=[lo], end=[hi], strides=[1], value=values)
         return tf.raw_ops.ResourceScatterUpdate(
-            resource=handle, indices=tf.constant(r), updates=tf.reshape(updated, shape[1:]),
+            resource=handle, indices=tf.constant(r, tf.int64), updates=tf.reshape(updated, shape[1:]),
         )
 
     r = start // row
@@ -1442,7 +1443,8 @@ def _writes_in_place(variable, value, start: int, stop: int) -> list:
     if first < last:
         rows = value[head:head + (last - first) * row]
         ops.append(tf.raw_ops.ResourceScatterUpdate(
-            resource=handle, indices=tf.range(first, last), updates=tf.reshape(rows, [last - first] + shape[1:]),
+            resource=handle, indices=tf.range(first, last, dtype=tf.int64),
+            updates=tf.reshape(rows, [last - first] + shape[1:]),
         ))
     if last * row < stop:
         ops.append(part_of_row(last, 0, stop - last * row, value[head + (last - first) * row:]))
