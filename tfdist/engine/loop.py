@@ -18,7 +18,9 @@ itself, for strategies that schedule their own calls (parameter server: one
 closure of k steps per `ClusterCoordinator.schedule`). Where one input
 pipeline in this process feeds every replica, Keras's epoch iterator hands
 the function a `tfdist.data.sinking.SunkIterator` instead: a call's batches
-arrive as one or a few chunks (`run_chunks`), not one `get_next` per step.
+arrive as one or a few windows per replica, staged on its device while the
+previous call ran (`run_chunks`, `sinking.WindowStage`), not one `get_next`
+per step.
 """
 
 from __future__ import annotations

@@ -162,8 +162,8 @@ class TfdistStrategy:
 
         Sinking in windows (`tfdist.data.sinking`) serves such strategies:
         each replica's rows of a host call's batches staged on its device
-        in one transfer (`TransferManager.window_options`), on CPUs and
-        accelerators alike.
+        in one transfer (`sinking.WindowStage`), on CPUs and accelerators
+        alike.
         """
         from tfdist._compat import tf as tfc
 
