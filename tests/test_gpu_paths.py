@@ -75,15 +75,16 @@ ROWS = ["mirrored", "central_storage", "sharded_optimizer stage=1", "sharded_opt
 
 # (row, replicas, how jit_compile is asked for, step options). One replica without
 # accumulation is the whole step as one XLA program (mirrored; sharded stages 1 and 2,
-# which train as mirrored with one replica); accumulation on one replica compiles the
-# forward and backward pass alone; two replicas compile each replica's pass.
+# which train as mirrored with one replica); central_storage and stage 3 compile the
+# forward and backward pass alone (their variables are not on the replica's device), as
+# accumulation does; two replicas compile each replica's pass.
 CELLS = [
     ("mirrored", 1, "option", {"precision": "mixed_bfloat16", "sink_size": 2}),
     ("mirrored", 1, "compile", {"precision": "mixed_float16"}),  # the loss-scale gate in the program
-    ("central_storage", 1, "compile", {"precision": "mixed_bfloat16", "sink_size": 2}),
+    ("central_storage", 1, "compile", {"precision": "mixed_bfloat16", "sink_size": 2, "accumulation_steps": 2}),
     ("sharded_optimizer stage=1", 1, "option", {"sink_size": 2}),
     ("sharded_optimizer stage=2", 1, "compile", {"precision": "mixed_bfloat16"}),
-    ("sharded_optimizer stage=3", 1, "option", {"precision": "mixed_bfloat16", "sink_size": 2}),
+    ("sharded_optimizer stage=3", 1, "option", {"precision": "mixed_bfloat16", "sink_size": 2, "accumulation_steps": 2}),
 ] + [
     (row, 2, how, {"precision": "mixed_bfloat16", "sink_size": 2, "accumulation_steps": 2})
     for row, how in zip(ROWS, ["option", "compile", "compile", "option", "compile"])

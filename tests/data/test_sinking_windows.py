@@ -78,9 +78,10 @@ def test_the_next_window_is_staged_on_each_device_while_a_call_runs():
         expected = x[64:96].reshape(2, 16, 8)[:, replica * 8:(replica + 1) * 8]
         np.testing.assert_array_equal(rows.numpy(), expected)
         np.testing.assert_array_equal(labels.numpy(), y[64:96].reshape(2, 16)[:, replica * 8:(replica + 1) * 8])
-    # The last window: nothing left to stage; the pass ends at the next call.
+    # The last window: nothing left to stage, and the buffers let go of the windows.
     model.train_function(iterator)
     assert not bool(stage.ready.numpy())
+    assert all(int(tf.size(v)) == 0 for buffers in stage.buffers for v in buffers)
 
 
 def test_windows_left_on_the_host_train_exactly_as_staged_ones():

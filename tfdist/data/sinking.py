@@ -231,7 +231,7 @@ class WindowStage:
     buffers hold the one staged window per replica; the window in use is
     the tensor read from them, which the copy of the next one does not
     overwrite (an assignment gives the variable a new buffer while a read
-    still holds the old one).
+    still holds the old one). When the data ends they are emptied.
 
     Args:
         element_spec: the `replica_windows` dataset's element spec.
@@ -346,7 +346,15 @@ class WindowStage:
                     v.assign(t, read_value=False)
             return tf.constant(True)
 
-        has = tf.cond(optional.has_value(), stage, lambda: tf.constant(False))
+        def empty():
+            # The data ended: the buffers let go of the last window (the steps keep what they read).
+            for device, buffers, specs in zip(self.devices, self.buffers, self.element_spec):
+                with tf.device(device):
+                    for v, s in zip(buffers, specs):
+                        v.assign(tf.zeros([0] * s.shape.rank, s.dtype), read_value=False)
+            return tf.constant(False)
+
+        has = tf.cond(optional.has_value(), stage, empty)
         self.ready.assign(has, read_value=False)
 
 
