@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tfdist-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast test-compat bench lint clean slurm
+.PHONY: demo test test-fast test-compat bench lint clean slurm gpu-check
 
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,13 @@ test-compat:
 
 bench: $(BENCH_STAMP)
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# TensorFlow's GPU paths in one command (docs/gpu.md): overhead, zoo parity, sinking and ZeRO,
+# about 7 minutes on one GPU; a CPU smoke of every section where no GPU is found. On a GPU host
+# without a package index run `python3 benchmarks/gpu_check.py` through ../shared/gpu's bundle.
+GPU_CHECK_ARGS ?=
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tfdist tests benchmarks examples

@@ -14,7 +14,8 @@ What is measured:
 
 * on GPU: TensorFlow's allocator peak per device
   (`tf.config.experimental.get_memory_info(device)["peak"]`), the largest
-  over the replicas' devices;
+  over the replicas' devices; a host with fewer GPUs than N splits each into
+  N logical GPUs of `--gpu-memory-mb` (default 20000) MiB;
 * on CPU, in two runs of each configuration: the process's peak resident
   memory (`VmHWM` in /proc/self/status, `ru_maxrss` where there is no
   /proc), and the peak of TensorFlow's CPU allocator (the bytes of tensors
@@ -99,6 +100,7 @@ def peak_rss_bytes() -> int:
 def run_one(
     strategy_name: str, stage, optimizer: str, replicas: int, batch: int, steps: int, width: int, measure: str,
     timed_epochs: int = 3, timed_steps: int = 12, depth: int = 3, shard_bucket_bytes: int | None = None,
+    gpu_memory_mb: int = 20000,
 ) -> dict:
     """Runs in the child process: one configuration, returns its measurements."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -107,9 +109,14 @@ def run_one(
 
     import tfdist
 
-    on_gpu = bool(tf.config.list_physical_devices("GPU"))
+    gpus = tf.config.list_physical_devices("GPU")
+    on_gpu = bool(gpus)
     if not on_gpu:
         tfdist.configure_local_devices(replicas)
+    elif len(gpus) < replicas:
+        # Fewer GPUs than replicas (one GPU host): each GPU split into N logical GPUs, which
+        # TensorFlow connects with RING collectives (docs/gpu.md); peaks are per logical GPU.
+        tfdist.configure_local_devices(replicas, memory_limit_mb=gpu_memory_mb)
     import keras
     import numpy as np
 
@@ -209,7 +216,7 @@ def run_child(config: tuple, replicas: int, args, measure: str) -> dict:
         *_shard_bucket_bytes_args(label, name, args),
         "--replicas", str(replicas), "--batch", str(args.batch), "--steps", str(args.steps),
         "--width", str(args.width), "--depth", str(args.depth), "--timed-epochs", str(args.timed_epochs),
-        "--timed-steps", str(args.timed_steps),
+        "--timed-steps", str(args.timed_steps), "--gpu-memory-mb", str(args.gpu_memory_mb),
     ]
     env = dict(os.environ)
     if args.bucket_bytes is not None:
@@ -246,6 +253,10 @@ def main() -> None:
         "--shard-bucket-bytes", type=int, default=None,
         help="strategy option shard_bucket_bytes for stages 1, 2 and 3 (default: tfdist's)",
     )
+    parser.add_argument(
+        "--gpu-memory-mb", type=int, default=20000,
+        help="memory of each logical GPU where one GPU is split into the N replicas (default 20000)",
+    )
     parser.add_argument("--child", nargs=4, metavar=("NAME", "STAGE", "OPTIMIZER", "MEASURE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -253,7 +264,7 @@ def main() -> None:
         replicas = args.replicas[0]
         print(json.dumps(run_one(
             name, stage, optimizer, replicas, args.batch, args.steps, args.width, measure, args.timed_epochs,
-            args.timed_steps, args.depth, args.shard_bucket_bytes,
+            args.timed_steps, args.depth, args.shard_bucket_bytes, args.gpu_memory_mb,
         )))
         return
 

@@ -694,3 +694,78 @@ def spans_processes(strategy) -> bool:
         return True
     resolver = getattr(strategy, "cluster_resolver", None)
     return bool(resolver is not None and resolver.cluster_spec().as_dict().get("ps"))
+@contextlib.contextmanager
+def cross_replica_in_this_thread(strategy):
+    """Replica context of a one-replica `strategy`: cross-replica context in this thread and graph.
+
+    What TensorFlow's base `ReplicaContext._merge_call` does for a
+    one-replica strategy (`tensorflow/python/distribute/distribute_lib.py`,
+    "Default implementation for single replica": `_push_per_thread_mode(
+    _CrossReplicaThreadMode(strategy))`, run the function, pop), without
+    MirroredStrategy's hand-off to the main thread (`mirrored_run.
+    _MirroredReplicaContext._merge_call`), which cannot leave a
+    `tf.function` traced in the replica thread: where every replica is a GPU,
+    `mirrored_run.call_for_each_replica` calls a jit-compiled function in each
+    replica thread instead of lifting it, and a `merge_call` inside raises
+    "`merge_call` called while defining a new graph or a tf.function". With
+    one replica the merge has nothing to merge: the block sees the replica's
+    values as they are, and `strategy.extended.update` writes the one copy
+    of each variable. Private API: `distribute_lib._push_per_thread_mode`,
+    `_pop_per_thread_mode`, `_CrossReplicaThreadMode`; verified on
+    TensorFlow 2.21.
+    """
+    from tensorflow.python.distribute import distribute_lib
+
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync != 1:
+        raise RuntimeError(
+            "cross_replica_in_this_thread needs the replica context of a strategy with one replica; "
+            f"got {'cross-replica context' if ctx is None else f'{ctx.num_replicas_in_sync} replicas'}."
+        )
+    distribute_lib._push_per_thread_mode(distribute_lib._CrossReplicaThreadMode(strategy))
+    try:
+        yield
+    finally:
+        distribute_lib._pop_per_thread_mode()
+
+
+# The modules whose `_is_gpu_device(device)` decides TensorFlow's GPU-only branches of
+# MirroredStrategy and MultiWorkerMirroredStrategy (TensorFlow 2.21): `mirrored_run` (a
+# jit-compiled function passed to `strategy.run` is called in each replica thread, not
+# lifted), `mirrored_strategy` and `collective_all_reduce_strategy` (`_use_merge_call`:
+# inside XLA, replica-context all-reduces and variable writes skip `merge_call`).
+_GPU_PREDICATE_MODULES = ("mirrored_run", "mirrored_strategy", "collective_all_reduce_strategy")
+
+
+def gpu_predicate_modules() -> dict:
+    """`{module name: module}` of the TensorFlow modules whose `_is_gpu_device` `devices_read_as_gpu` replaces."""
+    import importlib
+
+    return {
+        name: importlib.import_module(f"tensorflow.python.distribute.{name}") for name in _GPU_PREDICATE_MODULES
+    }
+
+
+@contextlib.contextmanager
+def devices_read_as_gpu():
+    """For tests and the CPU smoke of `benchmarks/gpu_check.py`: TensorFlow's GPU-only strategy branches, on CPU.
+
+    Inside, every device reads as a GPU to the `_is_gpu_device` predicates
+    of `tensorflow/python/distribute/mirrored_run.py` (`call_for_each_replica`:
+    a jit-compiled `tf.function` is not lifted, each replica thread calls
+    it), `mirrored_strategy.py` and `collective_all_reduce_strategy.py`
+    (`_use_merge_call`: False inside XLA, so replica-context all-reduces
+    and writes to mirrored variables skip `merge_call`). The cross-device
+    ops TensorFlow chose at the strategy's creation are unchanged (they are
+    chosen from the device strings, `_make_collective_ops_with_fallbacks`).
+    Never used by the library itself. Verified on TensorFlow 2.21.
+    """
+    modules = gpu_predicate_modules()
+    originals = {name: module._is_gpu_device for name, module in modules.items()}
+    for module in modules.values():
+        module._is_gpu_device = lambda device: True
+    try:
+        yield
+    finally:
+        for name, module in modules.items():
+            module._is_gpu_device = originals[name]

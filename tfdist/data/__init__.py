@@ -10,7 +10,8 @@
 
 Data sinking (k steps per host call, step option `sink_size`) is the host
 loop in `tfdist.engine.loop`; `tfdist.data.sinking` hands it a call's batches
-as chunks where one input pipeline in this process feeds every replica.
+as one window per replica, staged on the replica's device while the previous
+call runs, where one input pipeline in this process feeds every replica.
 """
 
 from __future__ import annotations

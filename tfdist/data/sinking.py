@@ -1,35 +1,42 @@
-"""Data sinking in chunks: a host call's batches reach the devices together.
+"""Data sinking in windows: a host call's batches reach each replica's device together.
 
 With `sink_size=k` a host call runs k steps in one `tf.while_loop`
 (`tfdist.engine.loop`). Fed by a distributed iterator, each of those steps
-still asks the input pipeline for its batch: on 2 logical CPU devices
-TensorFlow's multi-device iterator costs about 0.4 ms per step, three times
-the digits MLP's whole step (measured, issue 16). When every replica is in this
-process, tfdist instead hands the loop a *chunk*: up to k batches stacked by
-`tf.data` on the host (`batch` where every batch has one static shape, else
-`padded_batch` with each batch's own shape kept beside it), fetched once.
-The loop splits the chunk over the replicas once, exactly as `tf.distribute`
-splits each batch (`replica_rows`), and each step gathers its batch from its
-replica's part (`tfdist.engine.loop.run_chunks`).
+still asks the input pipeline for its batch, and each batch crosses to each
+replica's device on its own: on 2 logical CPU devices TensorFlow's
+multi-device iterator costs about 0.4 ms per step, three times the digits
+MLP's whole step (measured, issue 16); on 2 logical GPUs of an H200, sink 32
+reached 0.46 of the on-device bound (issue 36). Where one input pipeline in
+this process feeds every replica, tfdist instead hands the loop a *window*
+per replica: up to k batches stacked by `tf.data` on the host (`batch` where
+every batch has one static shape, else `padded_batch` with each batch's own
+shape kept beside it, `chunk_dataset`), each batch split over the replicas
+exactly as `tf.distribute` splits it (`replica_rows`, `split_chunk`), and
+each replica's rows of the k batches staged on its device as one tensor per
+input leaf (`replica_windows`, `SunkInput.distributed_windows`): one transfer
+per window and replica, the next windows' transfers running while this
+window's steps run (the `TransferManager`'s per-replica buffers,
+`prefetch_depth` deep, 2 by default: double buffering). Each step then cuts
+its batch out of its replica's window on the device with one gather per leaf
+(`tfdist.engine.loop.run_chunks`).
 
-A chunk holds at most `MAX_BATCHES_PER_CHUNK` batches and `SINK_CHUNK_BYTES`
-of input, and its size divides a host call's steps (several chunks per call
-under `sink_size="epoch"`), so no chunk spans two calls and a call consumes
+A window holds at most `MAX_BATCHES_PER_CHUNK` batches and `SINK_CHUNK_BYTES`
+of input, and its size divides a host call's steps (several windows per call
+under `sink_size="epoch"`), so no window spans two calls and a call consumes
 exactly the batches it would have consumed batch by batch: training is the
 same, step for step.
 
 Used for Keras's `fit` and `evaluate` under tfdist strategies whose replicas
-all live in this process on the host's CPU
-(`TfdistStrategy.feeds_every_replica_locally`, `tfdist.keras_integration`),
-on input whose elements are dense tensors; other input (ragged or sparse
-tensors, datasets distributed with explicit `tf.distribute.InputOptions`) and
-replicas on accelerators keep the distributed iterator.
+all live in this process (`TfdistStrategy.feeds_every_replica_locally`,
+`tfdist.keras_integration`), on input whose elements are dense tensors;
+other input (ragged or sparse tensors, datasets distributed with explicit
+`tf.distribute.InputOptions`) keeps the distributed iterator.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import tensorflow as tf
 
@@ -112,6 +119,245 @@ def chunk_dataset(dataset: tf.data.Dataset, chunk: int) -> tf.data.Dataset:
     return shaped.padded_batch(chunk).prefetch(1)
 
 
+def split_chunk(values: list, shapes: list, leaves: list, replicas: int) -> list:
+    """Each replica's rows of every batch of a chunk, as `tf.distribute` splits each batch.
+
+    Args:
+        values: the chunk's leaves, each `[batches, batch, ...]` (padded where
+            batches differ, `chunk_dataset`).
+        shapes: per leaf, the batches' own shapes (`int32 [batches, rank]`),
+            or None where every batch has the leaf's static shape.
+        leaves: the batch's `tf.TensorSpec`s, one per leaf.
+        replicas: int, the replicas in sync.
+
+    Returns `[replica][leaf] -> (rows, counts, shapes)`: `rows` is
+    `[batches, width, ...]`, the replica's rows of each batch (`replica_rows`)
+    padded to one width, the same for every replica; `counts` (`[batches]`)
+    how many of them are real, or None where every batch has the leaf's
+    static size, split evenly; `shapes` the batches' own shapes
+    (`[batches, rank]`) where a dimension after the first is unknown (the
+    chunk pads it to the longest), else None. Which of `counts` and `shapes`
+    a leaf has depends on its spec alone (`window_layout`).
+    """
+    parts = [[] for _ in range(replicas)]
+    for v, s, leaf in zip(values, shapes, leaves):
+        batch = leaf.shape[0]
+        inner = None if leaf.shape[1:].is_fully_defined() else s
+        if batch is not None and batch % replicas == 0:
+            width = batch // replicas
+            for r in range(replicas):
+                parts[r].append((v[:, r * width:(r + 1) * width], None, inner))
+            continue
+        sizes = tf.fill(tf.shape(v)[:1], batch) if s is None else s[:, 0]
+        longest = tf.shape(v)[1]
+        width = (longest + replicas - 1) // replicas
+        offsets = tf.range(width)[tf.newaxis, :]
+        for r in range(replicas):
+            lo, hi = replica_rows(sizes, r, replicas)
+            rows = tf.minimum(lo[:, tf.newaxis] + offsets, tf.maximum(longest - 1, 0))
+            parts[r].append((tf.gather(v, rows, batch_dims=1), hi - lo, inner))
+    return parts
+
+
+def window_layout(spec, replicas: int) -> list[tuple[bool, bool]]:
+    """Per leaf of batch spec `spec`: whether its window part has `counts` and `shapes` (`split_chunk`)."""
+    layout = []
+    for leaf in tf.nest.flatten(spec):
+        batch = leaf.shape[0]
+        layout.append((not (batch is not None and batch % replicas == 0), not leaf.shape[1:].is_fully_defined()))
+    return layout
+
+
+def unpack_chunk(chunk, spec) -> tuple[list, list]:
+    """A chunk's `(values, shapes)`, one per leaf (`chunk_dataset`; shapes None when `fixed_shapes`)."""
+    count = len(tf.nest.flatten(spec))
+    if fixed_shapes(spec):
+        return tf.nest.flatten(chunk), [None] * count
+    chunk = tf.nest.flatten(chunk)
+    return list(chunk[:count]), list(chunk[count:])
+
+
+def replica_windows(chunks: tf.data.Dataset, spec, replicas: int) -> tf.data.Dataset:
+    """`chunks` (`chunk_dataset`) split on the host into each replica's window.
+
+    Each element is a tuple of `replicas` windows, one per replica, each a
+    flat tuple (`unpack_window`): per leaf its rows, then its counts and its
+    shapes where `window_layout` says it has them; where batches differ in
+    shape (not `fixed_shapes`), then the batches' global sizes
+    (`[batches]`). The split (`split_chunk`) runs in `tf.data`'s threads,
+    ahead of the steps.
+    """
+    leaves = tf.nest.flatten(spec)
+    fixed = fixed_shapes(spec)
+
+    def split(*chunk):
+        values, shapes = unpack_chunk(chunk if len(chunk) > 1 else chunk[0], spec)
+        parts = split_chunk(values, shapes, leaves, replicas)
+        windows = [[t for part in replica for t in part if t is not None] for replica in parts]
+        if not fixed:
+            windows = [w + [shapes[0][:, 0]] for w in windows]
+        return tuple(tuple(w) for w in windows)
+
+    return chunks.map(split, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(1)
+
+
+def unpack_window(window, spec, replicas: int) -> tuple[list, object]:
+    """One replica's window (`replica_windows`) as `([(rows, counts, shapes) per leaf], sizes or None)`."""
+    flat = list(window)
+    parts, i = [], 0
+    for has_counts, has_shapes in window_layout(spec, replicas):
+        rows = flat[i]
+        i += 1
+        counts = shapes = None
+        if has_counts:
+            counts, i = flat[i], i + 1
+        if has_shapes:
+            shapes, i = flat[i], i + 1
+        parts.append((rows, counts, shapes))
+    sizes = flat[i] if i < len(flat) else None
+    return parts, sizes
+
+
+class WindowStage:
+    """Each replica's window of a host call on its device, the next call's copied while this one's steps run.
+
+    The transfer manager of sinking: a host call takes its windows from
+    buffers on the replicas' devices (one resource variable per window
+    component and replica, of any shape), filled by the previous call, and
+    then copies the next windows into them: one host-to-device transfer per
+    window and replica, which overlaps the call's steps (nothing the steps
+    read waits for it). A call with nothing staged (the first of a pass over
+    the data, or after the last window) fetches its windows itself. The
+    buffers hold the one staged window per replica; the window in use is
+    the tensor read from them, which the copy of the next one does not
+    overwrite (an assignment gives the variable a new buffer while a read
+    still holds the old one). When the data ends they are emptied.
+
+    Args:
+        element_spec: the `replica_windows` dataset's element spec.
+        devices: the replicas' devices, or None to leave windows on the host
+            (the `transfer=False` step option): each call then fetches its own.
+
+    Built eagerly (`build`, outside any trace); `restart` before a new pass.
+    """
+
+    def __init__(self, element_spec, devices):
+        self.element_spec = element_spec
+        self.devices = list(devices) if devices is not None else None
+        self.ready = None
+        self.buffers = None
+
+    def build(self) -> None:
+        """Creates the buffers and the `ready` flag (eagerly, once)."""
+        if self.devices is None or self.ready is not None:
+            return
+        with tf.init_scope():
+            self.ready = tf.Variable(False, trainable=False, name="window_staged")
+            self.buffers = []
+            for device, specs in zip(self.devices, self.element_spec):
+                with tf.device(device):
+                    self.buffers.append([
+                        tf.Variable(tf.zeros([0] * s.shape.rank, s.dtype), shape=tf.TensorShape(None),
+                                    trainable=False, name="staged_window")
+                        for s in specs
+                    ])
+
+    def restart(self) -> None:
+        """Eagerly: a new pass over the data starts; nothing of the last one stays staged."""
+        if self.ready is not None:
+            self.ready.assign(False)
+
+    def _on_devices(self, element) -> list:
+        """A fetched element's windows, each replica's copied to its device (a transfer per window)."""
+        if self.devices is None:
+            return [list(window) for window in element]
+        copied = []
+        for device, window in zip(self.devices, element):
+            with tf.device(device):
+                copied.append([tf.identity(t) for t in window])
+        return copied
+
+    def _shaped(self, flat: list) -> list:
+        """`flat` (every replica's components in order) as per-replica lists with their static shapes."""
+        out, i = [], 0
+        for specs in self.element_spec:
+            window = []
+            for s in specs:
+                t = flat[i]
+                t.set_shape(s.shape)
+                window.append(t)
+                i += 1
+            out.append(window)
+        return out
+
+    def take(self, iterator) -> list:
+        """This call's windows: the staged ones, or fetched now (`OutOfRangeError` when there are none)."""
+        if self.devices is None:
+            return self._on_devices(iterator.get_next())
+
+        def staged():
+            return [v.read_value() for buffers in self.buffers for v in buffers]
+
+        def fetched():
+            return [t for window in self._on_devices(iterator.get_next()) for t in window]
+
+        return self._shaped(tf.cond(self.ready, staged, fetched))
+
+    def take_optional(self, iterator):
+        """`(has windows, windows)`: as `take`, for calls that may find the data ended (several per call)."""
+        if self.devices is None:
+            optional = iterator.get_next_as_optional()
+            zeros = [tf.zeros([0] * s.shape.rank, s.dtype) for specs in self.element_spec for s in specs]
+            flat = tf.cond(optional.has_value(),
+                           lambda: [t for window in optional.get_value() for t in window], lambda: zeros)
+            return optional.has_value(), self._shaped(flat)
+
+        def staged():
+            return [tf.constant(True)] + [v.read_value() for buffers in self.buffers for v in buffers]
+
+        def fetched():
+            optional = iterator.get_next_as_optional()
+
+            def value():
+                return [tf.constant(True)] + [t for w in self._on_devices(optional.get_value()) for t in w]
+
+            def nothing():
+                zeros = []
+                for device, specs in zip(self.devices, self.element_spec):
+                    with tf.device(device):
+                        zeros += [tf.zeros([0] * s.shape.rank, s.dtype) for s in specs]
+                return [tf.constant(False)] + zeros
+
+            return tf.cond(optional.has_value(), value, nothing)
+
+        has, *flat = tf.cond(self.ready, staged, fetched)
+        return has, self._shaped(flat)
+
+    def stage_next(self, iterator) -> None:
+        """Fetches the next windows, if any, and copies each to its replica's device buffers (no step waits)."""
+        if self.devices is None:
+            return
+        optional = iterator.get_next_as_optional()
+
+        def stage():
+            copies = self._on_devices(optional.get_value())
+            for buffers, window in zip(self.buffers, copies):
+                for v, t in zip(buffers, window):
+                    v.assign(t, read_value=False)
+            return tf.constant(True)
+
+        def empty():
+            # The data ended: the buffers let go of the last window (the steps keep what they read).
+            for device, buffers, specs in zip(self.devices, self.buffers, self.element_spec):
+                with tf.device(device):
+                    for v, s in zip(buffers, specs):
+                        v.assign(tf.zeros([0] * s.shape.rank, s.dtype), read_value=False)
+            return tf.constant(False)
+
+        has = tf.cond(optional.has_value(), stage, empty)
+        self.ready.assign(has, read_value=False)
+
+
 def replica_rows(size, replica: int, num_replicas: int):
     """Rows `[lo, hi)` of a batch of `size` that `tf.distribute` gives `replica` of `num_replicas`.
 
@@ -143,12 +389,12 @@ def source_of(distributed) -> Optional[tf.data.Dataset]:
 
 
 class SunkInput:
-    """What Keras's epoch iterator iterates under chunked sinking: an iterator of chunks per epoch.
+    """What Keras's epoch iterator iterates under sinking: per pass, an iterator of windows.
 
     Args:
         dataset: the `tf.data.Dataset` of global batches that Keras distributed.
         steps_per_call: int. Steps of one host call (`sink_size`, or an epoch's).
-        chunk: int. Batches per chunk (`batches_per_chunk`).
+        chunk: int. Batches per window (`batches_per_chunk`).
     """
 
     def __init__(self, dataset: tf.data.Dataset, steps_per_call: int, chunk: int):
@@ -161,27 +407,42 @@ class SunkInput:
                 "chunks would span calls. Use sinking.batches_per_chunk to choose it."
             )
         self.chunks = chunk_dataset(dataset, chunk)
+        self._windows: dict = {}  # {replicas: the `replica_windows` dataset}
+
+    def windows(self, replicas: int) -> tf.data.Dataset:
+        """The chunks split into `replicas` windows each (`replica_windows`), made once."""
+        if replicas not in self._windows:
+            self._windows[replicas] = replica_windows(self.chunks, self.spec, replicas)
+        return self._windows[replicas]
 
     def __iter__(self) -> SunkIterator:
-        return SunkIterator(iter(self.chunks), self.spec, self.steps_per_call, self.chunk)
+        return SunkIterator(self, self.spec, self.steps_per_call, self.chunk)
 
 
 class SunkIterator:
-    """One pass over a `SunkInput`: `chunks` (a `tf.data` iterator), the batch structure `spec`,
-    the steps of a host call, and whether they are one chunk (`one_chunk_per_call`)."""
+    """One pass over a `SunkInput`: a host iterator of its windows (made at first use), the batch
+    structure `spec`, the steps of a host call, and whether they are one window (`one_chunk_per_call`)."""
 
-    def __init__(self, chunks: Any, spec, steps_per_call: int, chunk: int):
-        self.chunks = chunks
+    def __init__(self, source: SunkInput, spec, steps_per_call: int, chunk: int):
+        self.source = source
         self.spec = spec
         self.steps_per_call = steps_per_call
         self.one_chunk_per_call = chunk >= steps_per_call
+        self._host = None
+
+    def windows(self, replicas: int):
+        """`(iterator, new)`: this pass's `tf.data` iterator of windows, and whether it was just made."""
+        if self._host is None:
+            self._host = iter(self.source.windows(replicas))
+            return self._host, True
+        return self._host, False
 
     def __iter__(self) -> SunkIterator:
         return self
 
     def __next__(self):
         raise TypeError(
-            "A tfdist SunkIterator feeds a tfdist host function chunks of batches "
+            "A tfdist SunkIterator feeds a tfdist host function windows of batches "
             "(model.train_function / test_function under sink_size or steps_per_execution > 1); "
             "it does not yield single batches. Iterate the dataset itself for those."
         )

@@ -18,11 +18,14 @@ itself, for strategies that schedule their own calls (parameter server: one
 closure of k steps per `ClusterCoordinator.schedule`). Where one input
 pipeline in this process feeds every replica, Keras's epoch iterator hands
 the function a `tfdist.data.sinking.SunkIterator` instead: a call's batches
-arrive as one or a few chunks (`run_chunks`), not one `get_next` per step.
+arrive as one or a few windows per replica, staged on its device while the
+previous call ran (`run_chunks`, `sinking.WindowStage`), not one `get_next`
+per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Optional, Union
 
@@ -31,7 +34,8 @@ import tensorflow as tf
 
 from tfdist import collectives
 from tfdist._compat import keras as kc
-from tfdist.data.sinking import SunkIterator, replica_rows
+from tfdist.data.sinking import SunkIterator, WindowStage, replica_rows
+from tfdist.data.transfer import TransferManager
 from tfdist.engine import step as step_lib
 from tfdist.engine.custom import CustomTrainStep
 from tfdist.engine.step import TrainStep, global_batch_size
@@ -162,86 +166,51 @@ def _run_by_batch_size(step_fn: Callable, odd_batch_fn: Callable, data, size, fi
 
 
 def run_chunks(
-    chunks,
+    windows,
     spec,
     strategy,
     step_fn: Callable,
     max_steps: Union[int, tf.Tensor],
     odd_batch_fn: Optional[Callable] = None,
     one_chunk_per_call: bool = False,
+    stage=None,
 ) -> tf.Tensor:
-    """`run_steps` on chunked input (`tfdist.data.sinking`): the same steps on the same batches.
+    """`run_steps` on sunk input (`tfdist.data.sinking`): the same steps on the same batches.
 
-    Each chunk (up to k batches, fetched with one `get_next`) is run by an
-    inner loop. Each chunk is split over the replicas once, as
-    `tf.distribute` splits each of its batches (`sinking.replica_rows`); each
-    step then takes its batch from every replica's part with one gather per
-    leaf (and trims the padding where batches differ in shape). The replicas
-    are on the host's CPU (`TfdistStrategy.feeds_every_replica_locally`):
-    they read their rows from the chunk where it is.
+    Each window (up to k batches' rows for every replica, split on the host as
+    `tf.distribute` splits each batch: `sinking.replica_windows`) reaches the
+    replicas' devices through `stage` (a `sinking.WindowStage`: taken from
+    the devices where the previous call staged it, and the next one staged
+    while this one's steps run); an inner loop runs its steps, each cutting
+    its batch out of every replica's window with one gather per leaf, on the
+    window's device (and trimming the padding where batches differ in shape).
 
     Args:
-        chunks: a `tf.data` iterator over `sinking.chunk_dataset`.
+        windows: a `tf.data` iterator over `SunkInput.windows`.
         spec: the batch's element spec (its structure and static shapes).
         strategy: the model's strategy (all its replicas in this process).
-        step_fn, max_steps, odd_batch_fn: as `run_steps`. Chunks never span
-            two calls, so a call ends at a chunk boundary.
-        one_chunk_per_call: a call's batches are one chunk (`SunkInput.chunk`
+        step_fn, max_steps, odd_batch_fn: as `run_steps`. Windows never span
+            two calls, so a call ends at a window boundary.
+        one_chunk_per_call: a call's batches are one window (`SunkInput.chunk`
             at least its steps per call): one fetch, no outer loop.
+        stage: the `sinking.WindowStage` of `windows`' elements (built).
     """
     from tfdist.data import sinking
 
     max_steps = tf.convert_to_tensor(max_steps, tf.int32)
     leaves = tf.nest.flatten(spec)
-    count = len(leaves)
     replicas = strategy.num_replicas_in_sync
-    fixed = sinking.fixed_shapes(spec)
-    if fixed:
+    if sinking.fixed_shapes(spec):
         odd_batch_fn = None  # every batch has the spec's one shape
 
-    def unpack(chunk):
-        """A chunk's `(values, shapes)`, one per leaf (`sinking.chunk_dataset`; shapes None when fixed)."""
-        if fixed:
-            return tf.nest.flatten(chunk), [None] * count
-        return list(chunk[:count]), list(chunk[count:])
+    def local(element):
+        """Each replica's `(parts, sizes)` (`sinking.unpack_window`)."""
+        return [sinking.unpack_window(w, spec, replicas) for w in element]
 
-    def split_chunk(values, shapes):
-        """Each replica's rows of every batch of a chunk, cut once per chunk.
-
-        Returns `[replica][leaf] -> (rows, counts, shapes)`: `rows` is
-        `[batches, width, ...]`, the replica's rows of each batch
-        (`sinking.replica_rows`) padded to one width; `counts` (`[batches]`)
-        how many of them are real, or None where every batch has the leaf's
-        static size, split evenly; `shapes` the batches' own shapes
-        (`[batches, rank]`) where a dimension after the first is unknown (the
-        chunk pads it to the longest), else None.
-        A step then takes its batch with one gather per leaf and replica
-        (`batch_at`) instead of working out its rows again (on the digits MLP
-        over 2 logical CPU devices, about 20 small ops per leaf and replica per
-        step, a third of the step).
-        """
-        parts = [[] for _ in range(replicas)]
-        for v, s, leaf in zip(values, shapes, leaves):
-            batch = leaf.shape[0]
-            inner = None if leaf.shape[1:].is_fully_defined() else s
-            if batch is not None and batch % replicas == 0:
-                width = batch // replicas
-                for r in range(replicas):
-                    parts[r].append((v[:, r * width:(r + 1) * width], None, inner))
-                continue
-            sizes = tf.fill(tf.shape(v)[:1], batch) if s is None else s[:, 0]
-            longest = tf.shape(v)[1]
-            width = (longest + replicas - 1) // replicas
-            offsets = tf.range(width)[tf.newaxis, :]
-            for r in range(replicas):
-                lo, hi = sinking.replica_rows(sizes, r, replicas)
-                rows = tf.minimum(lo[:, tf.newaxis] + offsets, tf.maximum(longest - 1, 0))
-                parts[r].append((tf.gather(v, rows, batch_dims=1), hi - lo, inner))
-        return parts
-
-    def batch_at(parts, j):
-        """A replica's batch `j` of a chunk (`split_chunk`), at the batch's own shape."""
-        with tf.name_scope(CUT_BATCH_SCOPE):
+    def batch_at(parts, j, replica: int):
+        """A replica's batch `j` of its window, at the batch's own shape, cut where the window was staged."""
+        staged = stage.devices is not None
+        with tf.name_scope(CUT_BATCH_SCOPE), tf.device(stage.devices[replica]) if staged else contextlib.nullcontext():
             return tf.nest.pack_sequence_as(spec, [cut(part, leaf, j) for part, leaf in zip(parts, leaves)])
 
     def cut(part, leaf, j):
@@ -258,51 +227,68 @@ def run_chunks(
         t.set_shape([rows.shape[1] if counts is None else None] + leaf.shape.as_list()[1:])
         return t
 
-    if one_chunk_per_call:
-        # The common case (a call's batches fit one chunk): one fetch, no outer
-        # loop and no `tf.cond`, whose inputs each add executed nodes per call.
-        # An exhausted iterator raises OutOfRangeError before any step runs:
-        # every step is inside the loop over the chunk.
-        first = chunks.get_next()
-        if odd_batch_fn is not None:
-            first_size = first[count][0][0]
-    else:
-        first = chunks.get_next_as_optional()
-        if odd_batch_fn is not None:
-            first_size = tf.cond(first.has_value(), lambda: first.get_value()[count][0][0], lambda: tf.constant(0))
-
-    def run_chunk(i, chunk):
-        """Runs the steps of `chunk` (up to `max_steps - i`); returns how many."""
-        values, shapes = unpack(chunk)
-        n = tf.minimum(tf.shape(values[0])[0], max_steps - i)
-        parts = split_chunk(values, shapes)
+    def run_window(i, element, first_size):
+        """Runs the steps of `element` (up to `max_steps - i`); returns how many."""
+        windows_of = local(element)
+        n = tf.minimum(tf.shape(windows_of[0][0][0][0])[0], max_steps - i)
 
         def step(j):
             data = strategy.experimental_distribute_values_from_function(
-                lambda ctx: batch_at(parts[ctx.replica_id_in_sync_group], j)
+                lambda ctx: batch_at(windows_of[ctx.replica_id_in_sync_group][0], j, ctx.replica_id_in_sync_group)
             )
             if odd_batch_fn is None:
                 step_fn(data)
             else:
-                _run_by_batch_size(step_fn, odd_batch_fn, data, shapes[0][j][0], first_size)
+                _run_by_batch_size(step_fn, odd_batch_fn, data, tf.gather(windows_of[0][1], j), first_size)
             return (j + 1,)
 
         (ran,) = tf.while_loop(lambda j: j < n, step, (tf.constant(0),))
         return ran
 
+    def global_size(element):
+        return local(element)[0][1][0] if odd_batch_fn is not None else tf.constant(0)
+
     if one_chunk_per_call:
-        return run_chunk(tf.constant(0), first)
+        # The common case (a call's batches fit one window): one window, no outer
+        # loop. Nothing staged and nothing to fetch raises OutOfRangeError
+        # before any step runs: every step is inside the loop over the window.
+        element = stage.take(windows)
+        stage.stage_next(windows)  # the next call's window, copied while these steps run
+        return run_window(tf.constant(0), element, global_size(element))
 
-    def cond(i, optional):
-        return tf.logical_and(i < max_steps, optional.has_value())
+    has_first, first = stage.take_optional(windows)
+    first_size = tf.cond(has_first, lambda: global_size(first), lambda: tf.constant(0))
 
-    def body(i, optional):
-        ran = run_chunk(i, optional.get_value())
-        following = tf.cond(i + ran < max_steps, chunks.get_next_as_optional, lambda: optional)
-        return i + ran, following
+    def cond(i, has, *_):
+        return tf.logical_and(i < max_steps, has)
 
-    done, _ = tf.while_loop(cond, body, [tf.constant(0), first])
+    def body(i, has, *flat):
+        element = [list(flat[k:k + len(specs)]) for k, specs in zip(_offsets(stage), stage.element_spec)]
+        stage.stage_next(windows)  # the next window, copied while these steps run
+        ran = run_window(i, element, first_size)
+        following = tf.cond(
+            i + ran < max_steps,
+            lambda: _flat_optional(stage.take_optional(windows)),
+            lambda: _flat_optional((tf.constant(False), element)),
+        )
+        return (i + ran, *following)
+
+    done, *_ = tf.while_loop(cond, body, [tf.constant(0), has_first, *[t for w in first for t in w]])
     return done
+
+
+def _offsets(stage) -> list:
+    """Where each replica's window starts in the flat loop variables (after the step count and the flag)."""
+    offsets, k = [], 0
+    for specs in stage.element_spec:
+        offsets.append(k)
+        k += len(specs)
+    return offsets
+
+
+def _flat_optional(pair) -> list:
+    has, element = pair
+    return [has] + [t for window in element for t in window]
 
 
 def split_batch(strategy, data):
@@ -411,7 +397,8 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
 
     The function raises `StopIteration` when the iterator is exhausted before
     the first step, as Keras's epoch iterator expects. Its `traced_graphs`
-    attribute lists the graphs traced for it, newest last.
+    attribute lists the graphs traced for it, newest last; `window_stages()`
+    the `tfdist.data.sinking.WindowStage`s of sunk input it made.
     """
     whole_epochs = _sinks_whole_epochs(model)
 
@@ -445,26 +432,37 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
         done = run_steps(iterator, step_fn, max_steps, odd_batch_fn)
         return done, metrics_result()
 
-    # One function per batch structure of chunked input (`tfdist.data.sinking`): {structure: function}.
+    # One function and window stage per batch structure of sunk input (`tfdist.data.sinking`):
+    # {structure: (function, stage)}. Both outlive a pass over the data: the stage's buffers
+    # on the devices are the function's captures, and a new pass only empties them.
     sunk_functions: dict = {}
 
     def sunk_steps(iterator, max_steps):
         spec, one_chunk = iterator.spec, iterator.one_chunk_per_call
-        key = (repr(tf.nest.map_structure(lambda _: None, spec)), tuple(tf.nest.flatten(spec)), one_chunk)
-        function = sunk_functions.get(key)
-        if function is None:
+        strategy = model.distribute_strategy
+        windows, new_pass = iterator.windows(strategy.num_replicas_in_sync)
+        key = (repr(tf.nest.map_structure(lambda _: None, spec)), tuple(tf.nest.flatten(spec)), one_chunk,
+               tuple(tf.nest.flatten(windows.element_spec)))
+        if key not in sunk_functions:
+            # Each replica's window staged on its device, one transfer per window and replica,
+            # unless the step option `transfer` is off (`TransferManager`).
+            staged = TransferManager.from_options(strategy.options).enabled
+            stage = WindowStage(windows.element_spec, strategy.extended.worker_devices if staged else None)
+            stage.build()
 
             @tf.autograph.experimental.do_not_convert
-            def sunk(chunks, max_steps):
+            def sunk(windows, max_steps):
                 traced_graphs.append(tf.compat.v1.get_default_graph())
                 done = run_chunks(
-                    chunks, spec, model.distribute_strategy, step_fn, max_steps, odd_batch_fn, one_chunk
+                    windows, spec, model.distribute_strategy, step_fn, max_steps, odd_batch_fn, one_chunk, stage
                 )
                 return done, metrics_result()
 
-            function = sunk if model.run_eagerly else tf.function(sunk, reduce_retracing=True)
-            sunk_functions[key] = function
-        return function(iterator.chunks, max_steps)
+            sunk_functions[key] = (sunk if model.run_eagerly else tf.function(sunk, reduce_retracing=True), stage)
+        function, stage = sunk_functions[key]
+        if new_pass:
+            stage.restart()
+        return function(windows, max_steps)
 
     @tf.autograph.experimental.do_not_convert
     def one_step(iterator, max_steps):
@@ -581,6 +579,8 @@ def make_host_function(model, step_fn: Callable, steps_per_call: int) -> Callabl
         return logs
 
     function.traced_graphs = traced_graphs
+    # The window stages of sunk input (`tfdist.data.sinking.WindowStage`), one per batch structure.
+    function.window_stages = lambda: [stage for _, stage in sunk_functions.values()]
     return function
 
 

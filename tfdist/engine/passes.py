@@ -5,8 +5,9 @@ optimizer and the model, all known when the step is assembled. `choose`
 decides once, in one place, and the step calls the chosen object on every
 replica (`TrainStep.compute_gradients`):
 
-* `Plain`: the pass as Keras writes it, under a `tf.GradientTape`; also inside
-  the one XLA program of a whole step with one replica (`WholeStepXla`);
+* `Plain`: the pass as Keras writes it, under a `tf.GradientTape`;
+* `WholeStepXla`: the same, stateless, inside the one XLA program of a whole
+  step with one replica (its layers' state written with the update);
 * `MarkedXla`: the same ops, each marked for XLA, so TensorFlow compiles
   clusters of them and leaves collectives outside (synchronized BatchNorm,
   Embedding models, central_storage on several devices);
@@ -54,10 +55,23 @@ class Plain(ForwardBackward):
         return step.run_tape(x, y, sample_weight, on_loss)
 
 
-class WholeStepXla(Plain):
-    """`Plain`, inside the one XLA program that is the whole step (one replica, as Keras's `jit_compile`)."""
+class WholeStepXla(ForwardBackward):
+    """The pass inside the one XLA program that is the whole step (one replica, as Keras's `jit_compile`).
+
+    Stateless: the layers' state updates (BatchNorm's moving statistics, whose
+    MEAN aggregation would all-reduce, a collective inside the program; seeds)
+    are recorded, not written, and left in `step.whole_step_updates` for
+    `TrainStep._replica_whole_step` to write with the optimizer's update, in
+    cross-replica context (on a GPU TensorFlow runs this program in the
+    replica's thread, where a `merge_call` fails: docs/gpu.md).
+    """
 
     compiles_whole_step = True
+
+    def __call__(self, step, x, y, sample_weight, on_loss, share, reducer=None) -> tuple:
+        y_pred, loss, grads, updates, weight = step._stateless_forward_backward(x, y, sample_weight, on_loss)
+        step.whole_step_updates = updates
+        return y_pred, loss, grads, weight
 
 
 class MarkedXla(ForwardBackward):

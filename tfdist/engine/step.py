@@ -55,6 +55,7 @@ import tensorflow as tf
 
 from tfdist import collectives
 from tfdist._compat import keras as kc
+from tfdist._compat import tf as tfc
 from tfdist.engine import gather, passes, update
 
 
@@ -816,10 +817,21 @@ class TrainStep:
 
     # The whole step --------------------------------------------------------
     def _replica_whole_step(self, data) -> None:
-        """Replica context, one replica: all four phases (compiled by XLA as one program)."""
+        """Replica context, one replica: all four phases (compiled by XLA as one program).
+
+        No `merge_call`: where every replica is a GPU, TensorFlow calls a
+        jit-compiled function in the replica's thread rather than lifting it
+        into the host function (`mirrored_run.call_for_each_replica`), and a
+        `merge_call` inside fails there. The update runs in cross-replica
+        context entered in this thread (`_compat.tf.cross_replica_in_this_thread`),
+        as TensorFlow's base replica context merges for one replica: it
+        writes the one copy of each variable.
+        """
+        self.whole_step_updates = {}
         grads = self.finish(self.compute_gradients(data))
-        ctx = tf.distribute.get_replica_context()
-        ctx.merge_call(lambda strategy, g: self.apply(list(g)), args=(tuple(grads),))
+        with tfc.cross_replica_in_this_thread(self.strategy):
+            self.assign_updates(self.whole_step_updates)
+            self.apply(list(grads))
 
     def __call__(self, data):
         """Runs one step; returns the replicas' summed metric state if it rode along, else None."""

@@ -163,20 +163,16 @@ class TfdistStrategy:
         return sinking.remember_source(distributed, dataset)
 
     def feeds_every_replica_locally(self) -> bool:
-        """Whether one input pipeline in this process feeds every replica, all on the host's CPU.
+        """Whether one input pipeline in this process feeds every replica (one host, synchronous).
 
-        Chunked sinking (`tfdist.data.sinking`) serves such strategies. On
-        accelerators the staged distributed iterator (`TransferManager`)
-        stays: chunks there would be copied to each device on the step's
-        path, which has not been measured against staging.
+        Sinking in windows (`tfdist.data.sinking`) serves such strategies:
+        each replica's rows of a host call's batches staged on its device
+        in one transfer (`sinking.WindowStage`), on CPUs and accelerators
+        alike.
         """
         from tfdist._compat import tf as tfc
 
-        if self.asynchronous or tfc.in_multi_worker_mode(self):
-            return False
-        return all(
-            tf.DeviceSpec.from_string(d).device_type in (None, "CPU") for d in self.extended.worker_devices
-        )
+        return not (self.asynchronous or tfc.in_multi_worker_mode(self))
 
     def _one_local_replica(self) -> bool:
         from tfdist._compat import tf as tfc

@@ -264,7 +264,7 @@ class OwnedState(ShardedState):
 
             def write(x, value, start=start, size=sizes[i], shape=tuple(v.shape)):
                 # A copy: a slice of the gathered buffer would keep it alive between steps.
-                return x.assign(tf.reshape(tf.raw_ops.DeepCopy(x=value[start:start + size]), shape), read_value=False)
+                return x.assign(tf.reshape(collectives.copy_out(value[start:start + size]), shape), read_value=False)
 
             self.strategy.extended.update(kc.tf_variable(v), write, args=(gathered,), group=False)
         for v, fresh in zip(self.owned, updated):

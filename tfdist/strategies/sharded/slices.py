@@ -377,7 +377,7 @@ class SlicedState(ShardedState):
                     # A slice at an aligned offset shares the gathered bucket's buffer, and a
                     # variable assigned from it would keep the whole bucket alive between steps
                     # (measured: 2 model-sized buffers over 4 replicas): copy it.
-                    whole = tf.raw_ops.DeepCopy(x=piece)
+                    whole = collectives.copy_out(piece)
                 else:
                     # In place, straight from the bucket; the last part ends copy-on-read mode.
                     ops = write_in_place(x, piece, p.start, p.stop, last=p.stop == size)
@@ -541,10 +541,10 @@ def _writes_in_place(variable, value, start: int, stop: int) -> list:
     row = math.prod(shape[1:])
 
     def part_of_row(r: int, lo: int, hi: int, values):
-        current = tf.reshape(tf.raw_ops.ResourceGather(resource=handle, indices=tf.constant(r), dtype=dtype), [row])
+        current = tf.reshape(tf.raw_ops.ResourceGather(resource=handle, indices=tf.constant(r, tf.int64), dtype=dtype), [row])
         updated = tf.raw_ops.TensorStridedSliceUpdate(input=current, begin=[lo], end=[hi], strides=[1], value=values)
         return tf.raw_ops.ResourceScatterUpdate(
-            resource=handle, indices=tf.constant(r), updates=tf.reshape(updated, shape[1:]),
+            resource=handle, indices=tf.constant(r, tf.int64), updates=tf.reshape(updated, shape[1:]),
         )
 
     r = start // row
@@ -558,7 +558,7 @@ def _writes_in_place(variable, value, start: int, stop: int) -> list:
     if first < last:
         rows = value[head:head + (last - first) * row]
         ops.append(tf.raw_ops.ResourceScatterUpdate(
-            resource=handle, indices=tf.range(first, last), updates=tf.reshape(rows, [last - first] + shape[1:]),
+            resource=handle, indices=tf.range(first, last, dtype=tf.int64), updates=tf.reshape(rows, [last - first] + shape[1:]),
         ))
     if last * row < stop:
         ops.append(part_of_row(last, 0, stop - last * row, value[head + (last - first) * row:]))

@@ -112,7 +112,7 @@ def reduce_by_unit(state, step, batch, riders: list = ()) -> list:
             lo, hi = max(p.start, a), min(p.stop, a + n)
             if lo >= hi:
                 continue
-            own = tf.raw_ops.DeepCopy(x=total[lo - a:hi - a])
+            own = collectives.copy_out(total[lo - a:hi - a])
             parts = kept.setdefault((i, p.start), {})
             parts[lo] = own if lo not in parts else parts[lo] + own
             out.append(parts[lo])
