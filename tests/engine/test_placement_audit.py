@@ -200,16 +200,13 @@ def test_sharded_stages_1_and_2_copy_what_mirrored_copies(audits, stage):
         ("CollectiveReduceV2", 0): reduces, ("CollectiveReduceV2", 1): reduces,
         ("CollectiveGatherV2", 0): gathers, ("CollectiveGatherV2", 1): gathers,
     }
-    # Rows read and written by int32 index (a host-to-device copy each on a GPU): mirrored
-    # none. Stage 2's chunked update reads and writes each of Adam's 2 slots' row per chunk
-    # (`_compat/keras.py` `SlotChunk`, left for its owner: 22 each per device, 11 buckets);
-    # the in-place writes of the gathered buckets index by int64 (before: 20 more gathers
-    # and 33 more scatters per device).
+    # Rows read and written by int32 index (a host-to-device copy each on a GPU): none, as
+    # mirrored. The update runs on per-chunk variables (no slot rows read by index; before:
+    # 22 gathers and 22 scatters per device for Adam's slots over 11 buckets), and the
+    # in-place writes of the gathered buckets index by int64 (before: 20 more gathers and 33
+    # more scatters per device).
     assert mirrored.int32_indices == {}
-    chunked = {"stage 1": 0, "stage 2": 22}[stage]
-    assert sharded.int32_indices == (
-        {(op, d): chunked for op in ("ResourceGather", "ResourceScatterUpdate") for d in (0, 1)} if chunked else {}
-    )
+    assert sharded.int32_indices == {}
 
 
 def test_central_storage_and_stage_3_copy_what_their_layout_needs(audits):
