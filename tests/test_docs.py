@@ -32,3 +32,12 @@ def test_readme_shows_the_two_setup_commands_and_every_strategy():
 
 def test_ci_runs_what_the_readme_promises():
     assert "make test" in read(".ci/run")
+
+
+def test_readme_step_options_table_has_one_row_per_step_option():
+    from tfdist.options import STEP_OPTIONS
+
+    readme = read("README.md")
+    table = readme[readme.index("| option | default | meaning |"):].split("\n\n")[0]
+    rows = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
+    assert rows == list(STEP_OPTIONS)

@@ -30,14 +30,12 @@ def register(cls: type) -> type:
     return cls
 
 
-for _cls in (
-    strategies.MirroredStrategy,
-    strategies.CentralStorageStrategy,
-    strategies.MultiWorkerMirroredStrategy,
-):
-    register(_cls)
-register(strategies.ParameterServerStrategy)
-register(strategies.ShardedOptimizerStrategy)
+# Every strategy class `tfdist.strategies` exports is registered under its `name`: a new
+# strategy is its module and its line in strategies/__init__.py (docs/ARCHITECTURE.md).
+for _export in strategies.__all__:
+    _cls = getattr(strategies, _export)
+    if isinstance(_cls, type) and issubclass(_cls, strategies.TfdistStrategy) and _cls.name:
+        register(_cls)
 
 
 def strategy_names() -> list[str]:

@@ -739,11 +739,15 @@ _GPU_PREDICATE_MODULES = ("mirrored_run", "mirrored_strategy", "collective_all_r
 
 def gpu_predicate_modules() -> dict:
     """`{module name: module}` of the TensorFlow modules whose `_is_gpu_device` `devices_read_as_gpu` replaces."""
-    import importlib
+    from tensorflow.python.distribute import collective_all_reduce_strategy, mirrored_run, mirrored_strategy
 
-    return {
-        name: importlib.import_module(f"tensorflow.python.distribute.{name}") for name in _GPU_PREDICATE_MODULES
+    modules = {
+        "mirrored_run": mirrored_run,
+        "mirrored_strategy": mirrored_strategy,
+        "collective_all_reduce_strategy": collective_all_reduce_strategy,
     }
+    assert tuple(modules) == _GPU_PREDICATE_MODULES
+    return modules
 
 
 @contextlib.contextmanager

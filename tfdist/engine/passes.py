@@ -69,7 +69,7 @@ class WholeStepXla(ForwardBackward):
     compiles_whole_step = True
 
     def __call__(self, step, x, y, sample_weight, on_loss, share, reducer=None) -> tuple:
-        y_pred, loss, grads, updates, weight = step._stateless_forward_backward(x, y, sample_weight, on_loss)
+        y_pred, loss, grads, updates, weight = step.stateless_forward_backward(x, y, sample_weight, on_loss)
         step.whole_step_updates = updates
         return y_pred, loss, grads, weight
 

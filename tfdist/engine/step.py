@@ -464,10 +464,10 @@ class TrainStep:
         the variable (`Layer._get_regularization_losses`), and gets None
         (`AttributeError: 'NoneType' object has no attribute 'dtype'`) where
         the scope maps only what the pass assigns (the compiled forward and
-        backward pass, `_stateless_forward_backward` without `gathered`).
+        backward pass, `stateless_forward_backward` without `gathered`).
         Read under the step's tape, the value carries the regularizer's
         gradient to the variable, as the variable itself does outside a scope.
-        `_stateless_forward_backward` does not write these values back.
+        `stateless_forward_backward` does not write these values back.
         """
         scope = kc.stateless_scope()
         if scope is None:
@@ -500,7 +500,7 @@ class TrainStep:
                 i += len(ps)
         return with_variable_shapes(grads, variables)
 
-    def _stateless_forward_backward(
+    def stateless_forward_backward(
         self, x, y, sample_weight, weight_factor=None, gathered=None, also=None, sources=None
     ):
         """`run_tape` with no variable written: also returns the layers' updates (before the weight).
@@ -558,7 +558,7 @@ class TrainStep:
             )
         else:
             with context:
-                y_pred, loss, grads, updates, weight = self._stateless_forward_backward(
+                y_pred, loss, grads, updates, weight = self.stateless_forward_backward(
                     x, y, sample_weight, weight_factor, gathered=gathered, also=also
                 )
         self.assign_updates(updates)
@@ -590,7 +590,7 @@ class TrainStep:
                 gathered.append(tf.convert_to_tensor(kc.tf_variable(v)))
                 sources.append(gathered[-1])
         with context, kc.calls_replaced(gathers.calls(parts, gathered)):
-            y_pred, loss, grads, updates, weight = self._stateless_forward_backward(
+            y_pred, loss, grads, updates, weight = self.stateless_forward_backward(
                 x, y, sample_weight, weight_factor, gathered=gathered, also=also, sources=sources
             )
         self.assign_updates(updates)
@@ -610,7 +610,7 @@ class TrainStep:
         """This replica's compiled forward and backward pass (one `tf.function` per replica).
 
         Its call takes the replica's share of the global batch first and
-        returns `_stateless_forward_backward`'s outputs.
+        returns `stateless_forward_backward`'s outputs.
 
         One function per replica: MirroredStrategy traces each replica in its
         own thread, and a function shared by the threads would be traced
@@ -622,7 +622,7 @@ class TrainStep:
 
             def weighed(share, *args):
                 with kc.output_losses_weighted(share):
-                    *outputs, weight = self._stateless_forward_backward(*args)
+                    *outputs, weight = self.stateless_forward_backward(*args)
                 rows["traced"] = weight is None
                 return (*outputs, tf.constant(0.0) if weight is None else weight)
 
@@ -667,7 +667,7 @@ class TrainStep:
         reads = [tf.convert_to_tensor(kc.tf_variable(v)) for v in self.variables]
         reduction = plan.pass_(reads, reducer)
         with kc.calls_replaced(reduction.calls):
-            y_pred, loss, grads, updates, weight = self._stateless_forward_backward(
+            y_pred, loss, grads, updates, weight = self.stateless_forward_backward(
                 x, y, sample_weight, weight_factor, gathered=reads
             )
         reduction.flush()
