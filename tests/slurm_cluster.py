@@ -22,6 +22,8 @@ import socket
 import subprocess
 import time
 
+from tfdist.launch import free_ports
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "sinfo")
 INSTALL = ["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"]
@@ -52,19 +54,6 @@ def ensure_installed(timeout: float = 900.0) -> None:
     if done.returncode != 0 or not all(_which(name) for name in DAEMONS + CLIENTS):
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise Unavailable(f"`{' '.join(INSTALL)}` failed (status {done.returncode}: {last})")
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class SingleHostSlurm:
@@ -101,7 +90,7 @@ class SingleHostSlurm:
         with open(self._path("munge.key"), "wb") as f:
             f.write(os.urandom(1024))
         os.chmod(self._path("munge.key"), 0o600)
-        controller, node = _free_ports(2)
+        controller, node = free_ports(2)
         # The node claims more CPUs than the host has (config_overrides), so that the
         # example's --cpus-per-task=8 fits; tasks share the host's cores.
         lines = [

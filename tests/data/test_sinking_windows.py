@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import tfdist
 from tests.conftest import DEVICES
+from tests.engine.test_sinking import _loop_bodies
 from tfdist.data import sinking
 from tfdist.engine.loop import CUT_BATCH_SCOPE
 
@@ -24,23 +25,6 @@ def _model(sink, **options):
 def _data():
     rng = np.random.RandomState(0)
     return rng.normal(size=(96, 8)).astype("float32"), rng.randint(0, 3, 96).astype("int32")
-
-
-def _loop_bodies(graph):
-    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
-    bodies = []
-
-    def visit(nodes):
-        for node in nodes:
-            if node.op in ("While", "StatelessWhile"):
-                bodies.append(library[node.attr["body"].func.name])
-                visit(bodies[-1].node_def)
-            for attr in ("then_branch", "else_branch", "f"):
-                if attr in node.attr and node.attr[attr].func.name in library:
-                    visit(library[node.attr[attr].func.name].node_def)
-
-    visit(graph.as_graph_def().node)
-    return bodies
 
 
 def test_each_replica_cuts_its_batch_out_of_its_window_on_its_device():
