@@ -52,7 +52,7 @@ def test_every_file_the_change_table_names_exists():
 
 def test_a_strategy_exported_by_the_strategies_package_is_registered_without_more():
     import tfdist
-    from tfdist import registry, strategies
+    from tfdist import strategies
 
     exported = {
         cls.name
