@@ -80,7 +80,9 @@ def test_a_sleep_in_the_input_pipeline_is_reported_as_input(strategy_name):
     assert phases["input"] > 5 * (phases["compute"] + phases["exchange"] + phases["update"])
     assert result["replicas"] == (1 if strategy_name is None else 2)
     assert result["samples_per_step"] == 32
-    assert result["samples_per_s"] == pytest.approx(32 / result["step_s"]["median"], rel=0.15)
+    # Throughput over the measured steps: no faster than the pipeline's rate with the batches its
+    # buffers (prefetch, transfer) filled while earlier steps ran, no slower than the p90 step.
+    assert 32 / result["step_s"]["p90"] / 1.15 <= result["samples_per_s"] <= 2 * 32 / SLEEP_S
 
 
 @pytest.mark.parametrize("strategy_name", [None, "mirrored"])

@@ -36,7 +36,6 @@ import tensorflow as tf
 from tfdist import checkpointing
 from tfdist._compat import keras as kc
 from tfdist._compat import patches
-from tfdist._compat import tf as tfc
 from tfdist.data import sinking
 from tfdist.strategies.base import is_tfdist_strategy
 
@@ -93,7 +92,7 @@ def _check_one_process_strategy(model) -> None:
     strategy = kc.model_strategy(model)
     if not is_tfdist_strategy(strategy):
         return
-    if tfc.spans_processes(strategy):
+    if strategy.spans_processes():
         return
     from tfdist import cluster as cluster_lib
 

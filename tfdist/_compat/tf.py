@@ -682,18 +682,6 @@ def get_key_value(key: str, timeout_s: float):
         return None
 
 
-def spans_processes(strategy) -> bool:
-    """Whether a strategy trains across processes.
-
-    Its extended's `_in_multi_worker_mode()` (TensorFlow 2.16 to 2.21: False for
-    mirrored, central storage and a one-worker collective strategy, True for a
-    collective strategy of several workers), or, for `ParameterServerStrategyV2`
-    (whose extended says False), its public `cluster_resolver` with ps tasks in it.
-    """
-    if strategy.extended._in_multi_worker_mode():
-        return True
-    resolver = getattr(strategy, "cluster_resolver", None)
-    return bool(resolver is not None and resolver.cluster_spec().as_dict().get("ps"))
 @contextlib.contextmanager
 def cross_replica_in_this_thread(strategy):
     """Replica context of a one-replica `strategy`: cross-replica context in this thread and graph.

@@ -162,6 +162,13 @@ class TfdistStrategy:
         # Chunked sinking (`tfdist.data.sinking`) may read the batches from the dataset itself.
         return sinking.remember_source(distributed, dataset)
 
+    def spans_processes(self) -> bool:
+        """Whether this strategy trains across processes: a collective strategy of several workers,
+        or the parameter server (its variables live on ps tasks, its steps run on workers)."""
+        from tfdist._compat import tf as tfc
+
+        return self.asynchronous or tfc.in_multi_worker_mode(self)
+
     def feeds_every_replica_locally(self) -> bool:
         """Whether one input pipeline in this process feeds every replica (one host, synchronous).
 
@@ -170,9 +177,7 @@ class TfdistStrategy:
         in one transfer (`sinking.WindowStage`), on CPUs and accelerators
         alike.
         """
-        from tfdist._compat import tf as tfc
-
-        return not (self.asynchronous or tfc.in_multi_worker_mode(self))
+        return not self.spans_processes()
 
     def _one_local_replica(self) -> bool:
         from tfdist._compat import tf as tfc
