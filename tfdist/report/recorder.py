@@ -38,6 +38,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
+from tfdist import checkpointing
 from tfdist._compat import keras as kc
 from tfdist._compat import tf as tfc
 from tfdist.report import trace
@@ -461,10 +462,11 @@ class StepRecorder:
             "collectives": [list(c) for c in self.collectives],
         }
         path = os.path.join(self.timeline_dir, f"{task.replace(':', '-')}.json")
-        partial = path + ".partial"
-        with open(partial, "w") as f:
-            json.dump(payload, f)
-        os.replace(partial, path)
+        def dump(temporary):
+            with open(temporary, "w") as f:
+                json.dump(payload, f)
+
+        checkpointing.write_atomically(path, dump)
         self._timeline_written = True
         return path
 

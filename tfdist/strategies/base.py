@@ -163,11 +163,11 @@ class TfdistStrategy:
         return sinking.remember_source(distributed, dataset)
 
     def spans_processes(self) -> bool:
-        """Whether this strategy trains across processes: a collective strategy of several workers,
-        or the parameter server (its variables live on ps tasks, its steps run on workers)."""
+        """Whether this strategy trains across processes (a collective strategy of several workers;
+        the parameter server says so itself)."""
         from tfdist._compat import tf as tfc
 
-        return self.asynchronous or tfc.in_multi_worker_mode(self)
+        return tfc.in_multi_worker_mode(self)
 
     def feeds_every_replica_locally(self) -> bool:
         """Whether one input pipeline in this process feeds every replica (one host, synchronous).
@@ -177,7 +177,7 @@ class TfdistStrategy:
         in one transfer (`sinking.WindowStage`), on CPUs and accelerators
         alike.
         """
-        return not self.spans_processes()
+        return not (self.asynchronous or self.spans_processes())
 
     def _one_local_replica(self) -> bool:
         from tfdist._compat import tf as tfc

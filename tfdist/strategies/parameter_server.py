@@ -478,6 +478,10 @@ class ParameterServerStrategy(TfdistStrategy, tf.distribute.experimental.Paramet
         # The coordinator is one per strategy; tf-keras's fit finds the same one.
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
 
+    def spans_processes(self) -> bool:
+        """Always: the variables live on ps tasks and the steps run on workers, other processes."""
+        return True
+
     @property
     def task_type(self) -> str:
         """`"chief"`: this process coordinates (also when the resolver names no task; TensorFlow
