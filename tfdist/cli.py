@@ -11,15 +11,6 @@ from typing import Callable, Optional
 SUBCOMMANDS: dict[str, tuple[Callable, Callable, str]] = {}
 
 
-def subcommand(name: str, help: str):
-    def wrap(fns):
-        add_arguments, run = fns
-        SUBCOMMANDS[name] = (add_arguments, run, help)
-        return fns
-
-    return wrap
-
-
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=2, help="logical CPU devices to split the host into (default 2)")
     p.add_argument("--epochs", type=int, default=3, help="epochs per strategy (default 3)")

@@ -594,16 +594,6 @@ def _patched_ps(original, method: str):
     return run
 
 
-def install_parameter_server_fit() -> None:
-    """Routes `fit`/`evaluate`/`predict` of parameter-server models to tfdist; idempotent.
-
-    Also patches Keras variables on ps tasks and lets custom loops train
-    partitioned variables: the registry's patches of need "parameter_server"
-    (`tfdist._compat.patches`), which the strategy installs when it is created.
-    """
-    patches.install("parameter_server")
-
-
 def _patched_tape_gradient(original):
     # A tape whose sources hold no shards runs TensorFlow's own `gradient`,
     # called with exactly the caller's arguments.

@@ -1136,26 +1136,9 @@ def patch_implementations() -> dict:
     }
 
 
-def trainer_base_class():
-    """Keras's backend-independent `Trainer` (whose `compile` tfdist wraps)."""
-    from keras.src.trainers.trainer import Trainer
-
-    return Trainer
-
-
-def base_optimizer_class():
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-    return BaseOptimizer
-
-
 def model_strategy(model):
     """The strategy a model was built under (Keras's `_distribute_strategy`), or None."""
     return getattr(model, "_distribute_strategy", None)
-
-
-def call_has_training_arg(model) -> bool:
-    return bool(model._call_has_training_arg)
 
 
 def assert_compile_called(model, method: str) -> None:

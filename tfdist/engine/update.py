@@ -440,14 +440,6 @@ class Accumulate(GradientTransformation):
         return out + [total]
 
     # Cross-replica context -----------------------------------------------
-    def pending_micro_steps(self) -> int:
-        """Micro-steps added since the window's last update (0 at a window boundary)."""
-        if self.counter is None and self.keras_iterations is None:
-            return 0  # not built: no step has run
-        counter = self.keras_iterations if self.keras_iterations is not None else self.counter
-        value = int(tf.convert_to_tensor(counter).numpy())
-        return value % self.k
-
     def is_last_micro_step(self):
         if self.keras_iterations is not None:
             return tf.equal((self.keras_iterations + 1) % self.k, 0)
